@@ -100,8 +100,12 @@ class LaunchError(RuntimeError):
         lines = [self.root_cause.headline()]
         if self.root_cause.traceback:
             lines += ["", self.root_cause.traceback.rstrip()]
-        knock_on = [f for f in self.others if f.kind != "stopped"]
+        knock_on = [f for f in self.others if f.is_knock_on or f.kind == "stalled"]
+        also = [f for f in self.others if f not in knock_on and f.kind != "stopped"]
         stopped = [f for f in self.others if f.kind == "stopped"]
+        if also:
+            lines += ["", "also failed (same or independent errors):"]
+            lines += [f"  {f.headline()}" for f in also]
         if knock_on:
             lines += ["", "knock-on failures (consequences of the failure above, not causes):"]
             lines += [f"  {f.headline()}" for f in knock_on]
