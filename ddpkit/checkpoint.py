@@ -101,9 +101,8 @@ def save(root: str | Path, step: int, state: dict, keep_last: int = 3, meta: dic
 
 def prune(root: Path, keep_last: int) -> None:
     """Delete all but the newest ``keep_last`` checkpoints, and leftovers of interrupted saves."""
-    for stale in root.glob(".tmp-step-*"):
-        if not stale.name.endswith(f"-{os.getpid()}"):
-            shutil.rmtree(stale, ignore_errors=True)
+    for stale in [*root.glob(".tmp-step-*"), *root.glob(".old-step-*")]:  # one writer: all are dead
+        shutil.rmtree(stale, ignore_errors=True)
     for path in list_checkpoints(root)[keep_last:]:
         shutil.rmtree(path, ignore_errors=True)
 

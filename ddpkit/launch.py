@@ -15,6 +15,9 @@ What it does that ``torch.multiprocessing.start_processes`` leaves to you:
 * **isolation**: a fresh free port per launch; rank variables are set only inside the ranks; the
   one variable set around process start (``OMP_NUM_THREADS``, so ranks x threads <= cores) is
   restored; no signal handler of the caller is touched; nothing is left running;
+* **threads**: spawned ranks get cores // ranks threads each; forked ranks get 1, because GNU
+  OpenMP's thread pool does not survive ``fork`` (a child that opens a parallel region after the
+  parent used one hangs in a futex, seen here with torch 2.13);
 * **failures**: one :class:`~ddpkit.failures.LaunchError` naming the root-cause rank, its exception and
   traceback, with knock-on failures listed apart; all other ranks are stopped;
 * **no endless waits**: a short collective timeout, and a watchdog that names the rank everyone else
@@ -92,7 +95,9 @@ def launch(fn: Callable[..., Any], *args: Any, world_size: int = 2, backend: str
     sys.stdout.flush()
     sys.stderr.flush()  # a forked child must not inherit (and print again) unflushed output
     try:
-        threads = runtime.threads_per_rank(world_size)
+        # GNU OpenMP's thread pool does not survive fork: a forked child that opens a parallel
+        # region after the parent used one deadlocks (PyTorch's DataLoader workers also run 1 thread).
+        threads = 1 if method == "fork" else runtime.threads_per_rank(world_size)
         with _patched_env({"OMP_NUM_THREADS": str(threads)}):
             for rank in range(world_size):
                 proc = context.Process(target=_rank_main, name=f"ddpkit-rank{rank}",

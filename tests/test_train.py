@@ -1,0 +1,165 @@
+"""Trainer invariants, proved by comparison on real gloo ranks."""
+
+import pytest
+import torch
+
+from ddpkit import checkpoint, metrics, train
+from ddpkit.config import TrainConfig
+from ddpkit.launch import launch
+from ddpkit.models import build_model, loss_fn
+from ddpkit.train import PhaseTimer, train_step, wrap_ddp
+
+SMALL = dict(dataset_size=512, input_width=32, hidden_width=64, steps=12, log_every=100)
+
+
+def run(world_size: int, **changes) -> list[dict]:
+    cfg = TrainConfig(world_size=world_size, **{**SMALL, **changes})
+    return launch(train.run, cfg, world_size=world_size, output="none")
+
+
+def test_all_ranks_hold_identical_parameters_and_runs_repeat_bitwise():
+    first, second = run(2), run(2)
+    hashes = {s["param_sha256"] for s in first + second}
+    assert len(hashes) == 1
+    assert first[0]["losses"] == second[0]["losses"]
+
+
+def test_topology_does_not_change_training():
+    a = run(2, micro_batch_size=8)[0]
+    b = run(1, micro_batch_size=8, grad_accum=2)[0]
+    c = run(1, micro_batch_size=16)[0]
+    assert a["global_batch_size"] == b["global_batch_size"] == c["global_batch_size"] == 16
+    assert a["data_sha256"] == b["data_sha256"] == c["data_sha256"]
+    for other in (b, c):
+        torch.testing.assert_close([x["loss"] for x in other["losses"]], [x["loss"] for x in a["losses"]],
+                                   rtol=1e-5, atol=1e-6)
+
+
+class GradRecorder(torch.optim.SGD):
+    """An optimizer that only records the gradient it was given."""
+
+    def __init__(self, params):
+        super().__init__(params, lr=0.0)
+        self.grads = None
+
+    def step(self, closure=None):
+        self.grads = [p.grad.detach().clone() for g in self.param_groups for p in g["params"]]
+
+
+def accumulated_grads(ctx, cfg, batch):
+    model = wrap_ddp(build_model(cfg), ctx)
+    opt = GradRecorder(model.parameters())
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    per_rank = len(batch["index"]) // ctx.world_size
+    mine = {k: v[ctx.rank * per_rank:(ctx.rank + 1) * per_rank] for k, v in batch.items()}
+    b = per_rank // cfg.grad_accum
+    micro = [{k: v[i * b:(i + 1) * b] for k, v in mine.items()} for i in range(cfg.grad_accum)]
+    train_step(model, opt, scaler, micro, cfg, ctx.device)
+    return opt.grads
+
+
+def test_accumulated_gradient_equals_big_batch_gradient():
+    cfg = TrainConfig(**SMALL, grad_clip=0.0, world_size=2, micro_batch_size=4, grad_accum=2)
+    data = train.build_dataset(cfg)
+    batch = {"index": torch.arange(16), "inputs": data.features[:16], "targets": data.labels[:16]}
+    got = launch(accumulated_grads, cfg, batch, world_size=2, output="none")
+    model = build_model(cfg)
+    loss_fn(model(batch["inputs"]), batch["targets"]).backward()
+    for rank_grads in got:
+        worst = max(float((g - p.grad).abs().max()) for g, p in zip(rank_grads, model.parameters()))
+        assert worst < 1e-6, worst
+
+
+def count_allreduces(ctx, cfg, forward_inside):
+    model = wrap_ddp(build_model(cfg), ctx)
+    comm = metrics.CommTimer().register(model)
+    x, y = torch.randn(4, cfg.input_width), torch.randint(0, cfg.num_classes, (4,))
+    counts = {}
+    for label, accum in (("one_step_no_accum", 1), ("accum_4", 4)):
+        comm.reset()
+        for k in range(accum):
+            last = k == accum - 1
+            if forward_inside or last:
+                ctx_mgr = model.no_sync() if not last else torch.enable_grad()
+                with ctx_mgr:
+                    loss_fn(model(x), y).backward()
+            else:  # the mistake: forward outside no_sync, only backward inside
+                loss = loss_fn(model(x), y)
+                with model.no_sync():
+                    loss.backward()
+        counts[label] = comm.calls
+    model.zero_grad()
+    return counts
+
+
+def test_no_sync_skips_communication_only_with_forward_inside():
+    cfg = TrainConfig(**SMALL)
+    right = launch(count_allreduces, cfg, True, world_size=2, output="none")[0]
+    wrong = launch(count_allreduces, cfg, False, world_size=2, output="none")[0]
+    per_sync = right["one_step_no_accum"]
+    assert per_sync >= 1
+    assert right["accum_4"] == per_sync  # one all-reduce round per optimizer step
+    assert wrong["accum_4"] == 4 * per_sync  # every micro-batch communicated anyway
+
+
+def test_a_real_run_with_accumulation_communicates_once_per_step(tmp_path):
+    one_round = launch(count_allreduces, TrainConfig(**SMALL), True, world_size=2,
+                       output="none")[0]["one_step_no_accum"]
+    run(2, grad_accum=4, micro_batch_size=2, steps=3, metrics_dir=str(tmp_path))
+    steps = [r for r in metrics.read_metrics(str(tmp_path)) if r["rank"] == 0]
+    assert [r["comm_calls"] for r in steps] == [one_round] * 3  # not 4 rounds per step
+
+
+@pytest.mark.parametrize("variant", [
+    dict(),
+    dict(num_workers=2, dataset_size=160),  # 10 steps an epoch: the resume is mid-epoch 1 and crosses epochs
+    dict(amp="fp16"),
+    dict(model="gpt", amp="bf16"),
+])
+def test_exact_resume(tmp_path, variant):
+    straight = run(2, steps=20, **variant)[0]
+    run(2, steps=15, checkpoint_dir=str(tmp_path), **variant)
+    resumed = run(2, steps=20, checkpoint_dir=str(tmp_path), resume=True, **variant)[0]
+    assert resumed["resumed_from_step"] == 15 and resumed["steps"] == 20
+    assert resumed["param_sha256"] == straight["param_sha256"]
+    assert resumed["data_sha256"] == straight["data_sha256"]
+    assert resumed["losses"] == straight["losses"][15:]
+
+
+def test_resume_on_another_world_size_sees_the_same_data(tmp_path):
+    straight = run(2, steps=16, micro_batch_size=8)[0]
+    run(2, steps=8, micro_batch_size=8, checkpoint_dir=str(tmp_path))
+    resumed = run(1, steps=16, micro_batch_size=16, checkpoint_dir=str(tmp_path), resume=True)[0]
+    assert resumed["world_size"] == 1 and resumed["resumed_from_step"] == 8
+    assert resumed["data_sha256"] == straight["data_sha256"]
+    torch.testing.assert_close([x["loss"] for x in resumed["losses"]],
+                               [x["loss"] for x in straight["losses"][8:]], rtol=1e-4, atol=1e-5)
+
+
+def test_a_checkpoint_without_optimizer_state_is_refused(tmp_path):
+    """Weights alone are not a recovery plan: resume validation catches the missing Adam moments."""
+    run(1, steps=8, micro_batch_size=16, checkpoint_dir=str(tmp_path))
+    path = checkpoint.latest_good(tmp_path)
+    state = checkpoint.load(path)
+    state["optimizer"]["state"] = {}  # keep the weights, drop the optimizer state
+    checkpoint.save(tmp_path, 8, state)
+    with pytest.raises(Exception, match="optimizer state is missing"):
+        run(1, steps=16, micro_batch_size=16, checkpoint_dir=str(tmp_path), resume=True)
+
+
+def test_metrics_have_the_documented_fields(tmp_path):
+    run(2, steps=4, metrics_dir=str(tmp_path))
+    steps = metrics.read_metrics(str(tmp_path))
+    assert sorted({r["rank"] for r in steps}) == [0, 1] and len(steps) == 8
+    for record in steps:
+        for key in ("event", "rank", "step", "loss", "lr", "step_time_s", "samples_per_s", *metrics.PHASES):
+            assert key in record, key
+        assert record["comm_s"] > 0 and record["comm_calls"] >= 1  # measured by the hook, not inferred
+
+
+def test_phase_timer_accumulates():
+    timer = PhaseTimer(torch.device("cpu"))
+    for _ in range(3):
+        with timer("forward_s"):
+            sum(range(1000))
+    assert set(timer.seconds) == {"forward_s"} and timer.seconds["forward_s"] > 0
