@@ -1,0 +1,60 @@
+"""Every notebook, executed for real by papermill, checked on what it recorded; and their conventions."""
+
+import json
+import time
+from pathlib import Path
+
+import nbformat
+import papermill
+import pytest
+
+from ddpkit.notebook import read_records
+
+REPO = Path(__file__).resolve().parents[1]
+NOTEBOOKS = sorted((REPO / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+RUNTIMES = REPO / "benchmarks" / "results" / "notebook_runtimes.json"
+
+
+def check_01(records):
+    assert records["digest"] == {"hash_values": 3, "sha256_values": 1}
+    assert records["topology"]["data_sha256"] == 1 and records["topology"]["max_loss_diff"] < 1e-4
+
+
+def check_04(records):
+    table = records["rank_table"]
+    assert [r["rank"] for r in table] == list(range(len(table))) and len({r["pid"] for r in table}) == len(table)
+    assert records["stall"]["rank"] == len(table) - 1
+
+
+CHECKS = {"01": check_01, "04": check_04}
+
+
+def test_every_notebook_has_a_results_check():
+    assert {p.name[:2] for p in NOTEBOOKS} <= set(CHECKS)
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_runs_and_its_results_hold(path, tmp_path):
+    started = time.monotonic()
+    out = tmp_path / path.name
+    papermill.execute_notebook(str(path), str(out), kernel_name="python3", cwd=str(path.parent),
+                               execution_timeout=120, progress_bar=False)
+    elapsed = time.monotonic() - started
+    CHECKS[path.name[:2]](read_records(json.loads(out.read_text())))
+    runtimes = json.loads(RUNTIMES.read_text()) if RUNTIMES.exists() else {}
+    runtimes[path.stem] = round(elapsed, 1)
+    RUNTIMES.parent.mkdir(parents=True, exist_ok=True)
+    RUNTIMES.write_text(json.dumps(dict(sorted(runtimes.items())), indent=1) + "\n")
+    assert elapsed < 60, f"{path.name} took {elapsed:.0f}s"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_conventions(path):
+    nb = nbformat.read(path, as_version=4)
+    code_cells = [c for c in nb.cells if c.cell_type == "code"]
+    assert all(not c.outputs and c.execution_count is None for c in code_cells), "stored with outputs"
+    assert sum("parameters" in c.metadata.get("tags", []) for c in nb.cells) == 1, "exactly one parameters cell"
+    assert "colab.research.google.com/assets/colab-badge.svg" in nb.cells[0].source, "Open in Colab badge"
+    assert path.name in nb.cells[0].source, "the badge opens this notebook"
+    first = code_cells[0].source
+    assert 'if "google.colab" in sys.modules' in first and "%pip install" in first, "Colab-guarded install first"
