@@ -20,13 +20,20 @@ def check_01(records):
     assert records["topology"]["data_sha256"] == 1 and records["topology"]["max_loss_diff"] < 1e-4
 
 
+def check_02(records):
+    assert records["partition"]["epochs_ok"] >= 2 and records["partition"]["plain_duplicates"] > 0
+    sizes = records["handbook"]["epoch_sizes"]
+    assert sizes[0] > 0 and all(n == 0 for n in sizes[1:])
+    assert records["handbook"]["counted"] > records["handbook"]["trained"]
+
+
 def check_04(records):
     table = records["rank_table"]
     assert [r["rank"] for r in table] == list(range(len(table))) and len({r["pid"] for r in table}) == len(table)
     assert records["stall"]["rank"] == len(table) - 1
 
 
-CHECKS = {"01": check_01, "04": check_04}
+CHECKS = {"01": check_01, "02": check_02, "04": check_04}
 
 
 def test_every_notebook_has_a_results_check():
