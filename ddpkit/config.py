@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 MODELS = ("mlp", "gpt")
 AMP_MODES = ("off", "bf16", "fp16")
@@ -102,9 +102,6 @@ class TrainConfig:
     fail_mode: str = "raise"
     """Fault injection: ``raise`` an exception, ``exit`` the process, or ``hang``."""
 
-    extra: dict = field(default_factory=dict, compare=False, repr=False)
-    """Free-form notes carried along (not validated, not in the digest)."""
-
     def __post_init__(self) -> None:
         def need(condition: bool, message: str) -> None:
             if not condition:
@@ -153,7 +150,7 @@ class TrainConfig:
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}
+        return dataclasses.asdict(self)
 
 
 _FIRST_RUNTIME_FIELD = [f.name for f in dataclasses.fields(TrainConfig)].index("world_size")
