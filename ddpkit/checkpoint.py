@@ -37,6 +37,7 @@ from ddpkit.config import TrainConfig
 MANIFEST = "manifest.json"
 STATE_FILE = "state.pt"
 STEP_DIR = re.compile(r"^step-(\d{8})$")
+PROBE_RTOL = 1e-4  # a probe loss may differ this much after a restore on another device type
 
 
 class CheckpointError(RuntimeError):
@@ -49,6 +50,14 @@ class CheckpointWarning(UserWarning):
 
 def step_dir(root: str | Path, step: int) -> Path:
     return Path(root) / f"step-{step:08d}"
+
+
+def step_of(path: str | Path) -> int:
+    """The step a checkpoint folder is named for (``step-00000012`` -> 12)."""
+    match = STEP_DIR.match(Path(path).name)
+    if not match:
+        raise CheckpointError(f"{path} is not a checkpoint folder (expected a name like step-00000012)")
+    return int(match.group(1))
 
 
 def _fsync_dir(path: Path) -> None:
@@ -213,15 +222,39 @@ def check_compatible(meta: dict, cfg: TrainConfig) -> None:
         )
 
 
-def check_restored(state: dict, optimizer: torch.optim.Optimizer, cfg: TrainConfig, expected_lr: float) -> None:
-    """After a restore: step and sampler agree, optimizer and scaler state are there, lr is continuous."""
-    step, consumed = state["train"]["step"], state["train"]["consumed_samples"]
+def check_restored(state: dict, optimizer: torch.optim.Optimizer | None, cfg: TrainConfig, expected_lr: float,
+                   saved_at_step: int | None = None, probe_loss: float | None = None) -> None:
+    """After a restore, refuse a state that would not continue the run it came from.
+
+    Step (the folder's step is the state's), sampler progress (``consumed = step x global batch``),
+    optimizer state (present for every parameter, and as many optimizer steps as training steps),
+    scaler state (fp16), learning rate (the schedule's value at that step), and loss continuity (the
+    fixed probe batch's loss, recorded at save, is reproduced by the weights now in memory).
+    ``optimizer=None`` skips the optimizer checks (a deliberate weights-only restore).
+    """
+    train = state["train"]
+    step, consumed = train["step"], train["consumed_samples"]
+    if saved_at_step is not None and step != saved_at_step:
+        raise CheckpointError(f"checkpoint folder says step {saved_at_step} but its state is at step {step}: "
+                              f"the files were mixed up; start from another checkpoint")
     if consumed != step * cfg.global_batch_size:
         raise CheckpointError(f"sampler position {consumed} != step {step} x global batch {cfg.global_batch_size}")
-    if step > 0 and len(optimizer.state) != sum(len(g["params"]) for g in optimizer.param_groups):
-        raise CheckpointError(f"optimizer state is missing for some parameters at step {step}")
+    if optimizer is not None and step > 0:
+        if len(optimizer.state) != sum(len(g["params"]) for g in optimizer.param_groups):
+            raise CheckpointError(f"optimizer state is missing for some parameters at step {step}")
+        counts = {int(s["step"]) for s in optimizer.state.values() if "step" in s}
+        # fp16 may skip steps on overflow, so fewer optimizer steps than training steps is legal there
+        if counts and (max(counts) > step or (cfg.amp != "fp16" and counts != {step})):
+            raise CheckpointError(f"optimizer state has taken {sorted(counts)} steps but the checkpoint is at "
+                                  f"step {step}: it is not this run's optimizer state")
     if cfg.amp == "fp16" and not state.get("scaler"):
         raise CheckpointError("amp fp16 needs the GradScaler state, and the checkpoint has none")
-    saved_lr = optimizer.param_groups[0]["lr"]
-    if step > 0 and abs(saved_lr - expected_lr) > 1e-12 * max(1.0, expected_lr):
-        raise CheckpointError(f"learning rate jumps: checkpoint's last lr {saved_lr} != schedule's {expected_lr}")
+    if optimizer is not None and step > 0:
+        saved_lr = optimizer.param_groups[0]["lr"]
+        if abs(saved_lr - expected_lr) > 1e-12 * max(1.0, expected_lr):
+            raise CheckpointError(f"learning rate jumps: checkpoint's last lr {saved_lr} != schedule's {expected_lr}")
+    saved_probe = train.get("probe_loss")
+    if saved_probe is not None and probe_loss is not None \
+            and abs(probe_loss - saved_probe) > PROBE_RTOL * max(1.0, abs(saved_probe)):
+        raise CheckpointError(f"loss is not continuous: the probe batch's loss was {saved_probe:.6f} at save and "
+                              f"is {probe_loss:.6f} after restore: these are not the saved weights")

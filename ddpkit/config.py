@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 MODELS = ("mlp", "gpt")
 AMP_MODES = ("off", "bf16", "fp16")
-FAIL_MODES = ("raise", "exit", "hang")
+FAIL_MODES = ("raise", "exit", "kill", "hang", "slow")
 
 
 @dataclass(frozen=True)
@@ -100,7 +100,10 @@ class TrainConfig:
     fail_rank: int = 0
     """Fault injection: the rank that fails."""
     fail_mode: str = "raise"
-    """Fault injection: ``raise`` an exception, ``exit`` the process, or ``hang``."""
+    """Fault injection: ``raise`` an exception, ``exit`` the process, ``kill`` it with SIGKILL, ``hang``,
+    or ``slow``: from ``fail_at_step`` on, spend ``slow_step_s`` more per step (a straggler)."""
+    slow_step_s: float = 0.05
+    """Fault injection, mode ``slow``: extra seconds the slow rank spends loading each step's data."""
 
     def __post_init__(self) -> None:
         def need(condition: bool, message: str) -> None:
@@ -117,8 +120,8 @@ class TrainConfig:
         for name in ("steps", "warmup_steps", "checkpoint_every", "max_restarts", "num_workers"):
             need(getattr(self, name) >= 0, f"{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         need(self.lr > 0, f"lr must be > 0, got {self.lr}")
-        need(self.weight_decay >= 0 and self.grad_clip >= 0 and self.data_delay_s >= 0,
-             "weight-decay, grad-clip and data-delay-s must be >= 0")
+        need(self.weight_decay >= 0 and self.grad_clip >= 0 and self.data_delay_s >= 0 and self.slow_step_s >= 0,
+             "weight-decay, grad-clip, data-delay-s and slow-step-s must be >= 0")
         need(self.timeout > 0, f"timeout must be > 0 seconds, got {self.timeout}")
         need(self.d_model % self.n_heads == 0, f"n-heads ({self.n_heads}) must divide d-model ({self.d_model})")
         need(self.global_batch_size <= self.dataset_size,

@@ -140,10 +140,22 @@ def state_sha256(state_dict: dict[str, torch.Tensor]) -> str:
     """sha256 over the bytes of every tensor, in sorted key order: equal iff bitwise equal."""
     digest = hashlib.sha256()
     for key in sorted(state_dict):
-        tensor = state_dict[key].detach().to("cpu").contiguous()
+        tensor = state_dict[key].detach().to("cpu").contiguous().reshape(-1)  # 0-d tensors cannot be viewed as bytes
         digest.update(key.encode())
         digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
     return digest.hexdigest()
+
+
+def optimizer_sha256(optimizer: torch.optim.Optimizer) -> str:
+    """sha256 of an optimizer's whole state (every moment and step counter, and the param groups)."""
+    state = optimizer.state_dict()
+    flat = {}
+    for index, entry in state["state"].items():
+        for name, value in entry.items():
+            flat[f"state.{index:06d}.{name}"] = value if torch.is_tensor(value) else torch.tensor(value)
+    groups = json.dumps(state["param_groups"], sort_keys=True).encode()
+    flat["param_groups"] = torch.frombuffer(bytearray(groups), dtype=torch.uint8)
+    return state_sha256(flat)
 
 
 def param_l2(model: torch.nn.Module) -> float:

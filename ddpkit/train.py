@@ -19,13 +19,14 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, default_collate
 
 import ddpkit
 from ddpkit import checkpoint, metrics
@@ -35,6 +36,8 @@ from ddpkit.models import build_model, loss_fn
 from ddpkit.runtime import RankContext, seed_everything
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+PROBE_SAMPLES = 16
+RESTORE_MODES = ("full", "weights")
 
 
 class InjectedFailure(RuntimeError):
@@ -134,15 +137,24 @@ def _gather_step(ctx: RankContext, loss_sum: float, sample_ids: list[int]) -> tu
     return total, [int(i) for t in everyone for i in t[1:].tolist()]
 
 
+def _straggle(ctx: RankContext, cfg: TrainConfig, step: int) -> None:
+    """Fault injection, mode ``slow``: one rank spends longer on every step's input from ``fail_at_step`` on."""
+    if cfg.fail_mode == "slow" and cfg.fail_at_step is not None and step >= cfg.fail_at_step \
+            and ctx.rank == cfg.fail_rank:
+        time.sleep(cfg.slow_step_s)
+
+
 def _maybe_inject_failure(ctx: RankContext, cfg: TrainConfig, step: int, attempt: int) -> None:
     """Fault injection, once: only on the first attempt, so a restarted run can finish."""
-    if cfg.fail_at_step != step or ctx.rank != cfg.fail_rank or attempt != 0:
+    if cfg.fail_mode == "slow" or cfg.fail_at_step != step or ctx.rank != cfg.fail_rank or attempt != 0:
         return
     print(f"injecting failure ({cfg.fail_mode}) on rank {ctx.rank} after step {step}", flush=True)
     if cfg.fail_mode == "raise":
         raise InjectedFailure(f"injected failure after step {step} on rank {ctx.rank}")
     if cfg.fail_mode == "exit":
         os._exit(13)
+    if cfg.fail_mode == "kill":  # what the OOM killer or a preempted node does: no exception, no exit code
+        os.kill(os.getpid(), signal.SIGKILL)
     while True:  # hang: the other ranks block in the next collective until it times out
         time.sleep(1)
 
@@ -165,6 +177,14 @@ class _Loop:
                                  persistent_workers=cfg.num_workers > 0)
         self.step, self.consumed, self.data_sha256 = 0, 0, metrics.DATA_SHA256_START
         self._batches = None
+        probe = default_collate([self.dataset[i] for i in range(min(PROBE_SAMPLES, len(self.dataset)))])
+        self._probe = (probe["inputs"].to(ctx.device), probe["targets"].to(ctx.device))
+
+    def probe_loss(self) -> float:
+        """Loss of the model on a fixed batch, in fp32: saved with a checkpoint and reproduced after a
+        restore (the loss-continuity check: the weights in memory are the weights that were saved)."""
+        with torch.no_grad():
+            return float(loss_fn(self.raw_model(self._probe[0]), self._probe[1]))
 
     def next_micro_batch(self) -> dict:
         """The next micro-batch; at an epoch boundary, an iterator for the next epoch from ``consumed``."""
@@ -190,7 +210,8 @@ class _Loop:
             "optimizer": self.optimizer.state_dict(),
             "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else {},
             "sampler": self.sampler.state_dict(),
-            "train": {"step": self.step, "consumed_samples": self.consumed, "data_sha256": self.data_sha256},
+            "train": {"step": self.step, "consumed_samples": self.consumed, "data_sha256": self.data_sha256,
+                      "probe_loss": self.probe_loss()},
             "rng": rngs,
             "meta": {"config_digest": cfg.digest(), "semantics": cfg.semantics(), "world_size": cfg.world_size,
                      "global_batch_size": cfg.global_batch_size, "micro_batch_size": cfg.micro_batch_size,
@@ -198,16 +219,20 @@ class _Loop:
                      "ddpkit_version": ddpkit.__version__},
         }
 
-    def restore(self, state: dict) -> None:
+    def restore(self, state: dict, saved_at_step: int, mode: str = "full") -> None:
+        """Load ``state`` and check it. ``mode="weights"`` loads everything but the optimizer and scaler:
+        the popular half-measure, kept so that its cost can be measured (the Adam moments restart)."""
         checkpoint.check_compatible(state["meta"], self.cfg)
         self.raw_model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        if self.scaler.is_enabled():
-            self.scaler.load_state_dict(state["scaler"])
+        if mode == "full":
+            self.optimizer.load_state_dict(state["optimizer"])
+            if self.scaler.is_enabled() and state.get("scaler"):  # absent: check_restored says so below
+                self.scaler.load_state_dict(state["scaler"])
         train = state["train"]
         self.step, self.consumed, self.data_sha256 = train["step"], train["consumed_samples"], train["data_sha256"]
         self.sampler.load_state_dict(state["sampler"])
-        checkpoint.check_restored(state, self.optimizer, self.cfg, lr_at(self.cfg, self.step - 1))
+        checkpoint.check_restored(state, self.optimizer if mode == "full" else None, self.cfg,
+                                  lr_at(self.cfg, self.step - 1), saved_at_step, self.probe_loss())
         if state["meta"]["world_size"] == self.ctx.world_size:
             checkpoint.set_rng_state(state["rng"][self.ctx.rank])
         else:  # rank r of a new topology has no predecessor: reseed, deterministically
@@ -234,15 +259,21 @@ def _find_resume_point(ctx: RankContext, cfg: TrainConfig) -> str | None:
     return choice[0] or None
 
 
-def run(ctx: RankContext, cfg: TrainConfig, attempt: int = 0) -> dict:
-    """Train on this rank; returns the run summary (every rank computes it, rank 0 writes it)."""
+def run(ctx: RankContext, cfg: TrainConfig, attempt: int = 0, restore: str = "full") -> dict:
+    """Train on this rank; returns the run summary (every rank computes it, rank 0 writes it).
+
+    ``restore="weights"`` resumes with the model weights, data position and RNG but a fresh optimizer:
+    not a recovery plan, only a way to measure why not (notebook 06).
+    """
+    if restore not in RESTORE_MODES:
+        raise ValueError(f"unknown restore mode {restore!r}: use one of {', '.join(RESTORE_MODES)}")
     started = time.perf_counter()
     cfg = cfg.replace(world_size=ctx.world_size)
     loop = _Loop(ctx, cfg)
     log = metrics.MetricsLogger(ctx, cfg.metrics_dir, cfg.log_every)
     resumed_from = 0
     if cfg.resume and (path := _find_resume_point(ctx, cfg)):
-        loop.restore(checkpoint.load(path))
+        loop.restore(checkpoint.load(path), checkpoint.step_of(path), restore)
         resumed_from = loop.step
         log.event("checkpoint_restored", loop.step, path=os.path.basename(path), attempt=attempt)
     if ctx.is_main:
@@ -263,6 +294,8 @@ def run(ctx: RankContext, cfg: TrainConfig, attempt: int = 0) -> dict:
         for _ in range(cfg.grad_accum):
             with timer("data_s"):
                 micro_batches.append(loop.next_micro_batch())
+        with timer("data_s"):
+            _straggle(ctx, cfg, loop.step)
         loss_sum, ids = train_step(model, loop.optimizer, loop.scaler, micro_batches, cfg, ctx.device, timer)
         global_loss_sum, global_ids = _gather_step(ctx, loss_sum, ids)
         loop.step += 1
@@ -290,6 +323,7 @@ def run(ctx: RankContext, cfg: TrainConfig, attempt: int = 0) -> dict:
         "global_batch_size": cfg.global_batch_size, "steps": loop.step, "losses": losses,
         "param_sha256": metrics.state_sha256(loop.raw_model.state_dict()),
         "param_l2": metrics.param_l2(loop.raw_model), "data_sha256": loop.data_sha256,
+        "optimizer_sha256": metrics.optimizer_sha256(loop.optimizer),
         "resumed_from_step": resumed_from, "restarts": attempt, "config_digest": cfg.digest(),
         "phase_s": phase_means, "wall_s": time.perf_counter() - started, "rank": ctx.rank,
     }

@@ -39,7 +39,7 @@ def test_train_prints_a_loss_table_and_writes_the_summary(summary):
     assert sum(losses[-10:]) / 10 < sum(losses[:10]) / 10 - 0.1  # it learns
 
 
-@pytest.mark.parametrize("mode", ["raise", "exit", "hang"])
+@pytest.mark.parametrize("mode", ["raise", "exit", "kill", "hang"])
 def test_a_crash_restarts_from_the_last_checkpoint_and_ends_the_same(summary, tmp_path, mode):
     clean = summary("clean", "--steps", "12")
     crashed = summary(f"crash-{mode}", "--steps", "12", "--checkpoint-dir", str(tmp_path / "ck"),

@@ -23,3 +23,24 @@ def test_data_hash_depends_on_the_samples_not_their_rank_order():
     assert metrics.extend_data_sha256(start, [1, 2, 3]) != metrics.extend_data_sha256(start, [1, 2, 4])
     one = metrics.extend_data_sha256(metrics.extend_data_sha256(start, [1]), [2])
     assert one != metrics.extend_data_sha256(metrics.extend_data_sha256(start, [2]), [1])  # step order matters
+
+
+def test_optimizer_sha256_sees_moments_step_counts_and_lr():
+    def adam(seed):
+        torch.manual_seed(seed)
+        model = torch.nn.Linear(4, 2)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        model(torch.randn(3, 4)).sum().backward()
+        opt.step()
+        return opt
+
+    a, b = adam(0), adam(0)
+    assert metrics.optimizer_sha256(a) == metrics.optimizer_sha256(b)
+    b.state[b.param_groups[0]["params"][0]]["exp_avg_sq"].view(torch.int32)[0, 0] ^= 1
+    assert metrics.optimizer_sha256(a) != metrics.optimizer_sha256(b)
+    c = adam(0)
+    c.state[c.param_groups[0]["params"][1]]["step"] += 1
+    assert metrics.optimizer_sha256(a) != metrics.optimizer_sha256(c)
+    d = adam(0)
+    d.param_groups[0]["lr"] = 2e-3
+    assert metrics.optimizer_sha256(a) != metrics.optimizer_sha256(d)

@@ -21,6 +21,7 @@ def test_all_ranks_hold_identical_parameters_and_runs_repeat_bitwise():
     first, second = run(2), run(2)
     hashes = {s["param_sha256"] for s in first + second}
     assert len(hashes) == 1
+    assert len({s["optimizer_sha256"] for s in first + second}) == 1  # Adam moments in lock-step too
     assert first[0]["losses"] == second[0]["losses"]
 
 
@@ -136,15 +137,67 @@ def test_resume_on_another_world_size_sees_the_same_data(tmp_path):
                                [x["loss"] for x in straight["losses"][8:]], rtol=1e-4, atol=1e-5)
 
 
-def test_a_checkpoint_without_optimizer_state_is_refused(tmp_path):
-    """Weights alone are not a recovery plan: resume validation catches the missing Adam moments."""
+def _zero_moments(state):
+    for entry in state["optimizer"]["state"].values():  # what a fresh AdamW would hold: no history
+        entry["step"].zero_(), entry["exp_avg"].zero_(), entry["exp_avg_sq"].zero_()
+
+
+def _other_weights(state):
+    fresh = build_model(TrainConfig(**SMALL, seed=99)).state_dict()
+    state["model"] = fresh
+
+
+BAD_RESUMES = {  # what goes wrong -> (how to craft it, what the refusal says)
+    "optimizer state dropped": (lambda s: s["optimizer"].update(state={}), "optimizer state is missing"),
+    "optimizer state reset": (_zero_moments, "optimizer state has taken"),
+    "sampler position": (lambda s: s["train"].update(consumed_samples=s["train"]["consumed_samples"] - 8),
+                         "sampler position"),
+    "lr jump": (lambda s: s["optimizer"]["param_groups"][0].update(lr=1.0), "learning rate jumps"),
+    "step": (lambda s: s["train"].update(step=7, consumed_samples=7 * 16), "folder says step 8"),
+    "weights swapped": (_other_weights, "loss is not continuous"),
+}
+
+
+@pytest.mark.parametrize("bad", sorted(BAD_RESUMES))
+def test_each_resume_check_refuses_its_crafted_bad_checkpoint(tmp_path, bad):
     run(1, steps=8, micro_batch_size=16, checkpoint_dir=str(tmp_path))
-    path = checkpoint.latest_good(tmp_path)
-    state = checkpoint.load(path)
-    state["optimizer"]["state"] = {}  # keep the weights, drop the optimizer state
-    checkpoint.save(tmp_path, 8, state)
-    with pytest.raises(Exception, match="optimizer state is missing"):
+    state = checkpoint.load(checkpoint.latest_good(tmp_path))
+    craft, message = BAD_RESUMES[bad]
+    craft(state)
+    checkpoint.save(tmp_path, 8, state)  # a valid manifest: the files are intact, the content is wrong
+    with pytest.raises(Exception, match=message):
         run(1, steps=16, micro_batch_size=16, checkpoint_dir=str(tmp_path), resume=True)
+
+
+def test_fp16_resume_without_scaler_state_is_refused(tmp_path):
+    run(1, steps=4, micro_batch_size=16, amp="fp16", checkpoint_dir=str(tmp_path))
+    state = checkpoint.load(checkpoint.latest_good(tmp_path))
+    state["scaler"] = {}
+    checkpoint.save(tmp_path, 4, state)
+    with pytest.raises(Exception, match="GradScaler state"):
+        run(1, steps=8, micro_batch_size=16, amp="fp16", checkpoint_dir=str(tmp_path), resume=True)
+
+
+def test_weights_only_resume_sees_the_same_data_but_departs(tmp_path):
+    """Weights alone are not a recovery plan: same data, same lr, and still another trajectory."""
+    straight = run(2, steps=16)[0]
+    run(2, steps=8, checkpoint_dir=str(tmp_path))
+    cfg = TrainConfig(**{**SMALL, "steps": 16, "checkpoint_dir": str(tmp_path), "resume": True})
+    weights = launch(train.run, cfg, 0, "weights", world_size=2, output="none")[0]
+    assert weights["resumed_from_step"] == 8 and weights["data_sha256"] == straight["data_sha256"]
+    assert weights["param_sha256"] != straight["param_sha256"]
+    assert weights["losses"][0]["loss"] == straight["losses"][8]["loss"]  # same weights, same batch
+    assert weights["losses"][1:] != straight["losses"][9:]  # then the fresh Adam moments take over
+
+
+def test_a_straggler_slows_every_rank(tmp_path):
+    slow = 0.15
+    run(2, steps=6, metrics_dir=str(tmp_path), fail_mode="slow", fail_at_step=3, fail_rank=1, slow_step_s=slow)
+    steps = metrics.read_metrics(str(tmp_path))
+    fast_rank = [r for r in steps if r["rank"] == 0]
+    before = max(r["step_time_s"] for r in fast_rank if r["step"] <= 3)
+    after = min(r["step_time_s"] for r in fast_rank if r["step"] > 3)
+    assert before < slow / 2 and after > slow * 0.8  # rank 0 never slept: it waited in the all-reduce
 
 
 def test_metrics_have_the_documented_fields(tmp_path):
