@@ -27,13 +27,33 @@ def check_02(records):
     assert records["handbook"]["counted"] > records["handbook"]["trained"]
 
 
+def check_03(records):
+    assert records["optimizer_bytes"]["moment_bytes"] == 2 * records["optimizer_bytes"]["param_bytes"]
+    lockstep = records["lockstep"]
+    assert set(lockstep["ddp"]["diffs"]) == {0.0} and lockstep["ddp"]["param_hashes"] == lockstep["ddp"]["optimizer_hashes"] == 1
+    assert min(lockstep["no_ddp"]["diffs"]) > 0 and min(lockstep["ddp_lr_differs"]["diffs"]) > 0
+    assert records["trainer_lockstep"]["ranks"] >= 2
+
+
 def check_04(records):
     table = records["rank_table"]
     assert [r["rank"] for r in table] == list(range(len(table))) and len({r["pid"] for r in table}) == len(table)
     assert records["stall"]["rank"] == len(table) - 1
 
 
-CHECKS = {"01": check_01, "02": check_02, "04": check_04}
+def check_05(records):
+    assert all(r["max_abs_diff"] < 1e-6 and r["bitwise_equal_across_ranks"] for r in records["accumulation"].values())
+    calls = {mode: r["calls"] for mode, r in records["no_sync"].items()}
+    assert calls["backward-only no_sync"] == calls["no no_sync"] == 4 * calls["ddpkit train_step"]
+    memory = records["bucket_view"]["memory"]
+    assert memory["as_view=True"]["distinct_bytes"] * 2 == memory["as_view=False"]["distinct_bytes"]
+    assert records["amp_memory"]["activation_ratio"] < 0.75
+    assert records["amp_underflow"]["fp16"]["zero_fraction"] > 0.5 > records["amp_underflow"]["bf16"]["zero_fraction"]
+    clip = records["clipping"]
+    assert clip["unscale, then clip"]["rel_diff"] < 1e-5 and clip["clip scaled gradients"]["norm"] < 1e-3 * clip["unscale, then clip"]["norm"]
+
+
+CHECKS = {"01": check_01, "02": check_02, "03": check_03, "04": check_04, "05": check_05}
 
 
 def test_every_notebook_has_a_results_check():
