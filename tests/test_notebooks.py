@@ -53,7 +53,18 @@ def check_05(records):
     assert clip["unscale, then clip"]["rel_diff"] < 1e-5 and clip["clip scaled gradients"]["norm"] < 1e-3 * clip["unscale, then clip"]["norm"]
 
 
-CHECKS = {"01": check_01, "02": check_02, "03": check_03, "04": check_04, "05": check_05}
+def check_06(records):
+    contents = records["contents"]
+    assert 3 * contents["param_bytes"] <= contents["file_bytes"] < 3.2 * contents["param_bytes"]
+    assert records["exact_resume"]["param_sha256_equal"] and records["torn"]["param_sha256_equal"]
+    assert records["torn"]["used"] != records["torn"]["skipped"]
+    assert records["weights_only"]["max_loss_gap"] > 1e-4
+    assert len(records["refusals"]) >= 8 and all(records["refusals"].values())
+    cadence = records["cadence"]
+    assert cadence[min(cadence, key=int)]["checkpoint_share"] > cadence[max(cadence, key=int)]["checkpoint_share"]
+
+
+CHECKS = {"01": check_01, "02": check_02, "03": check_03, "04": check_04, "05": check_05, "06": check_06}
 
 
 def test_every_notebook_has_a_results_check():
