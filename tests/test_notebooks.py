@@ -64,7 +64,15 @@ def check_06(records):
     assert cadence[min(cadence, key=int)]["checkpoint_share"] > cadence[max(cadence, key=int)]["checkpoint_share"]
 
 
-CHECKS = {"01": check_01, "02": check_02, "03": check_03, "04": check_04, "05": check_05, "06": check_06}
+def check_07(records):
+    assert records["logs"]["files"] == ["rank-00000.jsonl", "rank-00001.jsonl"]
+    assert records["phases"]["data_share"]["slow data"] > 0.5 > records["phases"]["data_share"]["baseline"]
+    assert records["comm"]["remainder_ms"] < 0.5 * records["comm"]["comm_ms"]
+    assert min(records["spikes"]["save_step_ms"]) > 1.5 * records["spikes"]["plain_ms"]
+    assert records["straggler"]["0"]["step_time_s"] > 0.5 * records["straggler"]["1"]["data_s"] > 0
+
+
+CHECKS = {"01": check_01, "02": check_02, "03": check_03, "04": check_04, "05": check_05, "06": check_06, "07": check_07}
 
 
 def test_every_notebook_has_a_results_check():
