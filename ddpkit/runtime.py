@@ -129,11 +129,26 @@ def init_process_group(ctx: RankContext, timeout_s: float = DEFAULT_TIMEOUT_S) -
         torch.cuda.set_device(ctx.device)
     torch.set_num_threads(threads_per_rank(ctx.local_world_size))
     if not dist.is_initialized():
+        timeout = datetime.timedelta(seconds=timeout_s)
         dist.init_process_group(
-            backend=ctx.backend, rank=ctx.rank, world_size=ctx.world_size,
-            timeout=datetime.timedelta(seconds=timeout_s),
-            device_id=ctx.device if ctx.device.type == "cuda" else None,
+            backend=ctx.backend, rank=ctx.rank, world_size=ctx.world_size, timeout=timeout,
+            device_id=ctx.device if ctx.device.type == "cuda" else None, store=_torchelastic_store(ctx, timeout),
         )
+
+
+def _torchelastic_store(ctx: RankContext, timeout: datetime.timedelta) -> dist.Store | None:
+    """Under torchrun, the agent's store, with this restart's own key space; else None (env://).
+
+    torchrun's agent hosts the rendezvous store and keeps it across ``--max-restarts``. Without a
+    per-attempt prefix, the workers of restart N can read keys that the dead workers of restart N-1
+    wrote (a peer's old address, barrier counts): measured here as an occasional "connection refused"
+    to a dead rank's port, or a hang, during the restarted process group's set-up.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "TORCHELASTIC_RESTART_COUNT" not in os.environ:
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), ctx.world_size,
+                          is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"/ddpkit/attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
 
 
 def destroy_process_group() -> None:

@@ -81,3 +81,18 @@ def test_torchrun_single_and_two_node_match_the_launcher(tmp_path):
         assert node.returncode == 0, out
     hashes = {json.loads((tmp_path / f"{n}.json").read_text())["param_sha256"] for n in "lsm"}
     assert len(hashes) == 1
+
+
+def test_torchrun_restarts_a_killed_rank_and_ends_the_same(tmp_path, summary):
+    """torchrun keeps its store across --max-restarts; each restart must use its own keys (twice, as it was flaky)."""
+    clean = summary("clean", "--steps", "14")
+    for attempt in range(2):
+        ck, out_json = tmp_path / f"ck{attempt}", tmp_path / f"tr{attempt}.json"
+        proc = torchrun("--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "-m", "ddpkit", "train",
+                        "--steps", "14", "--checkpoint-dir", str(ck), "--checkpoint-every", "5", "--fail-at-step", "7",
+                        "--fail-rank", "1", "--fail-mode", "kill", "--timeout", "10", "--summary-json", str(out_json))
+        out, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 0, out[-3000:]
+        restarted = json.loads(out_json.read_text())
+        assert restarted["restarts"] == 1 and restarted["resumed_from_step"] == 5
+        assert restarted["param_sha256"] == clean["param_sha256"]
