@@ -55,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fail-at-step", type=int, default=None)
     p.add_argument("--fail-rank", type=int, default=d.fail_rank)
     p.add_argument("--fail-mode", choices=FAIL_MODES, default=d.fail_mode)
+    p.add_argument("--slow-step-s", type=float, default=d.slow_step_s, help="extra seconds per step (--fail-mode slow)")
     return parser
 
 
