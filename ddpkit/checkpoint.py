@@ -239,6 +239,8 @@ def check_restored(state: dict, optimizer: torch.optim.Optimizer | None, cfg: Tr
                               f"the files were mixed up; start from another checkpoint")
     if consumed != step * cfg.global_batch_size:
         raise CheckpointError(f"sampler position {consumed} != step {step} x global batch {cfg.global_batch_size}")
+    if cfg.amp == "fp16" and not state.get("scaler"):
+        raise CheckpointError("amp fp16 needs the GradScaler state, and the checkpoint has none")
     if optimizer is not None and step > 0:
         if len(optimizer.state) != sum(len(g["params"]) for g in optimizer.param_groups):
             raise CheckpointError(f"optimizer state is missing for some parameters at step {step}")
@@ -247,9 +249,6 @@ def check_restored(state: dict, optimizer: torch.optim.Optimizer | None, cfg: Tr
         if counts and (max(counts) > step or (cfg.amp != "fp16" and counts != {step})):
             raise CheckpointError(f"optimizer state has taken {sorted(counts)} steps but the checkpoint is at "
                                   f"step {step}: it is not this run's optimizer state")
-    if cfg.amp == "fp16" and not state.get("scaler"):
-        raise CheckpointError("amp fp16 needs the GradScaler state, and the checkpoint has none")
-    if optimizer is not None and step > 0:
         saved_lr = optimizer.param_groups[0]["lr"]
         if abs(saved_lr - expected_lr) > 1e-12 * max(1.0, expected_lr):
             raise CheckpointError(f"learning rate jumps: checkpoint's last lr {saved_lr} != schedule's {expected_lr}")

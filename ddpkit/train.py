@@ -177,12 +177,14 @@ class _Loop:
                                  persistent_workers=cfg.num_workers > 0)
         self.step, self.consumed, self.data_sha256 = 0, 0, metrics.DATA_SHA256_START
         self._batches = None
-        probe = default_collate([self.dataset[i] for i in range(min(PROBE_SAMPLES, len(self.dataset)))])
-        self._probe = (probe["inputs"].to(ctx.device), probe["targets"].to(ctx.device))
+        self._probe = None  # built on first use: a run that never saves or restores never loads it
 
     def probe_loss(self) -> float:
         """Loss of the model on a fixed batch, in fp32: saved with a checkpoint and reproduced after a
         restore (the loss-continuity check: the weights in memory are the weights that were saved)."""
+        if self._probe is None:
+            batch = default_collate([self.dataset[i] for i in range(min(PROBE_SAMPLES, len(self.dataset)))])
+            self._probe = (batch["inputs"].to(self.ctx.device), batch["targets"].to(self.ctx.device))
         with torch.no_grad():
             return float(loss_fn(self.raw_model(self._probe[0]), self._probe[1]))
 

@@ -32,7 +32,9 @@ def check_03(records):
     lockstep = records["lockstep"]
     assert set(lockstep["ddp"]["diffs"]) == {0.0} and lockstep["ddp"]["param_hashes"] == lockstep["ddp"]["optimizer_hashes"] == 1
     assert min(lockstep["no_ddp"]["diffs"]) > 0 and min(lockstep["ddp_lr_differs"]["diffs"]) > 0
-    assert records["trainer_lockstep"]["ranks"] >= 2
+    trainer = records["trainer_lockstep"]
+    assert trainer["ranks"] >= 2 and trainer["param_hashes"] == trainer["optimizer_hashes"] == 1
+    assert trainer["trainer_param_sha256"] == trainer["loop_param_sha256"]
 
 
 def check_04(records):
@@ -56,8 +58,11 @@ def check_05(records):
 def check_06(records):
     contents = records["contents"]
     assert 3 * contents["param_bytes"] <= contents["file_bytes"] < 3.2 * contents["param_bytes"]
-    assert records["exact_resume"]["param_sha256_equal"] and records["torn"]["param_sha256_equal"]
-    assert records["torn"]["used"] != records["torn"]["skipped"]
+    for name in ("exact_resume", "torn"):
+        assert records[name]["resumed"] == records[name]["reference"], name
+    assert records["weights_only"]["resumed"] != records["weights_only"]["reference"]
+    torn = records["torn"]
+    assert any("skipping checkpoint step-" in w for w in torn["warnings"]) and all(torn["used"] not in w for w in torn["warnings"])
     assert records["weights_only"]["max_loss_gap"] > 1e-4
     assert len(records["refusals"]) >= 8 and all(records["refusals"].values())
     cadence = records["cadence"]
@@ -74,9 +79,11 @@ def check_07(records):
 
 def check_08(records):
     assert records["kill"]["rank"] == 1 and records["kill"]["kind"] == "killed" and "SIGKILL" in records["kill"]["message"]
-    assert records["restart"]["param_sha256_equal"] and records["restart"]["lost_steps"] >= 0
-    assert records["cli_restart"]["returncode"] == 0 and records["cli_restart"]["restarts"] == 1
-    assert records.get("torchrun_restart", {"restarts": 1})["restarts"] == 1
+    assert records["restart"]["lost_steps"] > 0
+    assert records["cli_restart"]["returncode"] == 0
+    for name in ("restart", "cli_restart", "torchrun_restart"):  # the notebook's defaults run all three
+        assert records[name]["resumed"] == records[name]["reference"], name
+    assert records["cli_restart"]["restarts"] == records["torchrun_restart"]["restarts"] == 1
 
 
 CHECKS = {"01": check_01, "02": check_02, "03": check_03, "04": check_04, "05": check_05, "06": check_06, "07": check_07, "08": check_08}
