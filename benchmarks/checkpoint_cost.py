@@ -13,6 +13,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import summarize, write_results  # noqa: E402
 
 from ddpkit import checkpoint, train  # noqa: E402
+from ddpkit.state import rng_state  # noqa: E402
 from ddpkit.config import TrainConfig  # noqa: E402
 from ddpkit.models import build_model  # noqa: E402
 
@@ -23,7 +24,7 @@ def main(repeats: int = 10) -> None:
     opt = train.build_optimizer(model, cfg)
     model(torch.randn(4, cfg.input_width)).sum().backward()
     opt.step()  # so the optimizer has its moments
-    state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "rng": [checkpoint.rng_state()]}
+    state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "rng": [rng_state()]}
     saves, plain_saves, loads, plain_loads = [], [], [], []
     with tempfile.TemporaryDirectory() as root:
         for i in range(repeats):

@@ -17,6 +17,8 @@ from ddpkit import metrics, train  # noqa: E402
 from ddpkit.config import TrainConfig  # noqa: E402
 from ddpkit.launch import launch  # noqa: E402
 from ddpkit.models import build_model, loss_fn  # noqa: E402
+from ddpkit.parallel.ddp import wrap_ddp  # noqa: E402
+from ddpkit.step import PhaseTimer, gather_step, train_step  # noqa: E402
 
 
 def overhead(ctx, cfg, blocks, steps_per_block):
@@ -24,7 +26,7 @@ def overhead(ctx, cfg, blocks, steps_per_block):
     b = cfg.micro_batch_size
     batches = [{"index": torch.arange(i, i + b), "inputs": data.features[i:i + b], "targets": data.labels[i:i + b]}
                for i in range(0, len(data) - b, b)]
-    ours_model = train.wrap_ddp(build_model(cfg), ctx)
+    ours_model = wrap_ddp(build_model(cfg), ctx)
     comm = metrics.CommTimer().register(ours_model)
     ours_opt = train.build_optimizer(ours_model, cfg)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
@@ -36,9 +38,9 @@ def overhead(ctx, cfg, blocks, steps_per_block):
             batch = batches[(block * steps_per_block + s) % len(batches)]
             t = time.perf_counter()
             comm.reset()
-            timer = train.PhaseTimer(ctx.device)
-            loss_sum, ids = train.train_step(ours_model, ours_opt, scaler, [batch], cfg, ctx.device, timer)
-            train._gather_step(ctx, loss_sum, ids)
+            timer = PhaseTimer(ctx.device)
+            loss_sum, ids = train_step(ours_model, ours_opt, scaler, [batch], cfg, ctx.device, timer)
+            gather_step(ctx, loss_sum, ids)
             ours.append(time.perf_counter() - t)
             t = time.perf_counter()
             loss = loss_fn(base_model(batch["inputs"]), batch["targets"])
@@ -54,7 +56,7 @@ def overhead(ctx, cfg, blocks, steps_per_block):
 
 def throughput(ctx, cfg, steps):
     torch.set_num_threads(1)
-    model = train.wrap_ddp(build_model(cfg), ctx)
+    model = wrap_ddp(build_model(cfg), ctx)
     opt = train.build_optimizer(model, cfg)
     x = torch.randn(cfg.micro_batch_size, cfg.input_width)
     y = torch.randint(0, cfg.num_classes, (cfg.micro_batch_size,))

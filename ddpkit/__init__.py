@@ -1,12 +1,15 @@
 """ddpkit: real distributed PyTorch training, taught from a notebook.
 
 The package behind the notebooks: a launcher that starts real ranks from a notebook kernel
-(:func:`launch`), and a small production-shaped DDP trainer, one module per plane.
+(:func:`launch`), and a small production-shaped trainer, one module per plane, with parallelism
+strategies behind one interface (``ddpkit.parallel``).
 """
 
+from ddpkit.errors import UserError
 from ddpkit.failures import LaunchError, RankFailure
 from ddpkit.launch import launch
+from ddpkit.parallel.dims import ParallelDims
 from ddpkit.runtime import RankContext
 
-__all__ = ["LaunchError", "RankContext", "RankFailure", "launch"]
+__all__ = ["LaunchError", "ParallelDims", "RankContext", "RankFailure", "UserError", "launch"]
 __version__ = "0.1.0"

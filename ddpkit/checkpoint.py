@@ -1,51 +1,57 @@
-"""The artifact plane: what survives a crash, and how we know it is intact.
+"""The artifact plane's storage: what survives a crash, and how we know it is intact.
 
-Weights alone are not a recovery plan. An exact resume needs the model, the optimizer (Adam's
-moments), the AMP scaler, the sampler position, **every rank's** RNG states, the step, the running
-data hash, and enough identity (config digest, world size, global batch) to refuse an incompatible
-restore. Storage is part of the algorithm:
+This module knows folders, files and manifests, nothing about training (what goes *into* a
+checkpoint, and whether a resume may use it, is ``state.py``'s business). The protocol:
 
-* **Atomic**: everything is written into a temporary folder, fsynced, a ``manifest.json`` holding the
-  sha256 of every file is written **last**, and only then is the folder renamed into place. A crash
-  mid-write leaves a temporary folder that is never read; it cannot damage an older checkpoint.
-* **Verified**: "latest" means the newest checkpoint whose manifest verifies. A torn or altered one is
-  skipped with a warning and the previous good one is used. The last ``keep_last`` are kept.
+* **Atomic**: every file is written into a temporary folder ``.tmp-step-N-PID`` and fsynced; a
+  ``manifest.json`` holding the sha256 and size of every file is written **last** (and fsynced), the
+  folder is fsynced, renamed to ``step-N``, and its parent fsynced. A crash at any instant leaves a
+  temporary folder that is never read, or a complete checkpoint: it cannot damage an older one.
+* **Pluggable writer**: :func:`prepare` makes the folder, any writer fills it (rank 0 with one
+  ``torch.save`` file today, :func:`write_torch`; every rank writing its own shards later), and
+  :func:`publish` seals it. Hashes are computed while the bytes are written, not by reading them back.
+* **Verified**: "latest" means the newest checkpoint whose manifest verifies (well-formed, every file
+  present with its size and sha256). A torn, altered or malformed one is skipped with a warning.
+* **Pruned safely**: the newest ``keep_last`` good checkpoints are kept, always including the one just
+  written; broken folders are deleted and never count among the kept ones. Re-saving a step swaps
+  folders with two renames, and a crash between them is recovered, not pruned.
 * **Data, not code**: files are read with ``torch.load(weights_only=True)``, which refuses arbitrary
-  pickled objects, so a malicious checkpoint cannot run code. RNG states are stored as tensors and
-  plain lists so that they load that way (``np.random.get_state()`` as-is does not).
+  pickled objects, so a malicious checkpoint cannot run code.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import pickle
-import random
 import re
 import shutil
 import time
 import warnings
+import zipfile
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
-from ddpkit.config import TrainConfig
+from ddpkit.errors import UserError
+from ddpkit.files import HashingWriter, file_sha256, fsync_dir, write_atomic
 
 MANIFEST = "manifest.json"
 STATE_FILE = "state.pt"
-STEP_DIR = re.compile(r"^step-(\d{8})$")
-PROBE_RTOL = 1e-4  # a probe loss may differ this much after a restore on another device type
+FORMAT = 2  # manifest format this code writes; format 1 (no "writer" field) is still read
+WRITERS = {"full": (STATE_FILE,)}  # writer -> files its checkpoints must contain
+STEP_DIR = re.compile(r"^step-(\d{8,})$")
+_OLD_DIR = re.compile(r"^\.old-step-(\d{8,})-\d+$")
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError):
     """A checkpoint that must not be used, or a resume that would change training."""
 
 
 class CheckpointWarning(UserWarning):
-    """A checkpoint was skipped (torn, corrupted, or incomplete)."""
+    """A checkpoint was skipped (torn, corrupted, malformed or incomplete)."""
 
 
 def step_dir(root: str | Path, step: int) -> Path:
@@ -60,61 +66,103 @@ def step_of(path: str | Path) -> int:
     return int(match.group(1))
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+# --------------------------------------------------------------------------- writing
 
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def save(root: str | Path, step: int, state: dict, keep_last: int = 3, meta: dict | None = None) -> Path:
-    """Write ``state`` as checkpoint ``step`` atomically; prune to the newest ``keep_last``. Rank 0 only."""
+def prepare(root: str | Path, step: int) -> Path:
+    """An empty temporary folder in ``root`` for checkpoint ``step`` (one writer per root)."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / f".tmp-step-{step:08d}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    with open(tmp / STATE_FILE, "wb") as handle:
-        torch.save(state, handle)
+    return tmp
+
+
+def write_torch(path: Path, obj: Any) -> dict:
+    """``torch.save`` to ``path``, hashed while written, fsynced. Returns the manifest entry."""
+    with open(path, "wb") as handle:
+        hashing = HashingWriter(handle)
+        try:
+            torch.save(obj, hashing)
+        finally:
+            sha256, nbytes = hashing.finish()
         handle.flush()
         os.fsync(handle.fileno())
-    manifest = {"format": 1, "step": step, "created": time.time(), "meta": meta or {},
-                "files": {STATE_FILE: {"sha256": file_sha256(tmp / STATE_FILE),
-                                       "bytes": (tmp / STATE_FILE).stat().st_size}}}
-    with open(tmp / MANIFEST, "w") as handle:  # written last: its presence means "complete"
-        json.dump(manifest, handle, indent=1)
-        handle.flush()
-        os.fsync(handle.fileno())
-    _fsync_dir(tmp)
+    return {"sha256": sha256, "bytes": nbytes}
+
+
+def publish(root: str | Path, step: int, tmp: Path, files: dict[str, dict], meta: dict | None = None,
+            keep_last: int = 3, writer: str = "full") -> Path:
+    """Seal ``tmp`` as checkpoint ``step``: manifest last, rename into place, prune. Returns its folder."""
+    root = Path(root)
+    manifest = {"format": FORMAT, "writer": writer, "step": step, "created": time.time(),
+                "meta": meta or {}, "files": files}
+    write_atomic(tmp / MANIFEST, json.dumps(manifest, indent=1), durable=True)  # its presence means "complete"
     final = step_dir(root, step)
-    if final.exists():  # re-saving a step after a restart: swap, never leave a gap without it
+    if final.exists():  # re-saving a step (after a restart): swap, never leave a moment without it
         old = root / f".old-step-{step:08d}-{os.getpid()}"
         os.rename(final, old)
-        os.rename(tmp, final)
+        os.rename(tmp, final)  # a crash between the renames is repaired by recover()
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.rename(tmp, final)
-    _fsync_dir(root)
-    prune(root, keep_last)
+    fsync_dir(root)
+    prune(root, keep_last, keep=final)
     return final
 
 
-def prune(root: Path, keep_last: int) -> None:
-    """Delete all but the newest ``keep_last`` checkpoints, and leftovers of interrupted saves."""
-    for stale in [*root.glob(".tmp-step-*"), *root.glob(".old-step-*")]:  # one writer: all are dead
-        shutil.rmtree(stale, ignore_errors=True)
-    for path in list_checkpoints(root)[keep_last:]:
-        shutil.rmtree(path, ignore_errors=True)
+def save(root: str | Path, step: int, state: Any, keep_last: int = 3, meta: dict | None = None) -> Path:
+    """Write ``state`` as checkpoint ``step`` with the ``full`` writer (one ``torch.save`` file)."""
+    tmp = prepare(root, step)
+    return publish(root, step, tmp, {STATE_FILE: write_torch(tmp / STATE_FILE, state)}, meta, keep_last)
 
+
+# --------------------------------------------------------------------------- housekeeping
+
+def recover(root: str | Path) -> None:
+    """Repair a re-save interrupted between its two renames: the step lives on only as ``.old-step-N``."""
+    root = Path(root)
+    if not root.is_dir():
+        return
+    for path in root.iterdir():
+        match = _OLD_DIR.match(path.name)
+        if not match:
+            continue
+        final = step_dir(root, int(match.group(1)))
+        if final.exists():
+            shutil.rmtree(path, ignore_errors=True)  # the swap completed; this is the replaced copy
+        else:
+            os.rename(path, final)
+            fsync_dir(root)
+
+
+def prune(root: str | Path, keep_last: int, keep: Path | None = None) -> None:
+    """Keep ``keep`` and the newest good checkpoints, ``keep_last`` in all; delete broken folders and
+    leftovers of interrupted saves (one writer per root, so every temporary folder is dead)."""
+    root = Path(root)
+    recover(root)
+    for stale in root.glob(".tmp-step-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    kept = [keep] if keep is not None else []
+    for path in list_checkpoints(root):
+        if path == keep:
+            continue
+        if verify(path, deep=False) is None and len(kept) < keep_last:
+            kept.append(path)
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def clear(root: str | Path) -> list[str]:
+    """Delete every checkpoint and leftover in ``root`` (a run told to start clean). Returns what went."""
+    root = Path(root)
+    gone = [p.name for p in list_checkpoints(root)]
+    for path in [*list_checkpoints(root), *root.glob(".tmp-step-*"), *root.glob(".old-step-*")]:
+        shutil.rmtree(path, ignore_errors=True)
+    return gone
+
+
+# --------------------------------------------------------------------------- reading
 
 def list_checkpoints(root: str | Path) -> list[Path]:
     """Checkpoint folders, newest step first (verified or not)."""
@@ -122,33 +170,68 @@ def list_checkpoints(root: str | Path) -> list[Path]:
     if not root.is_dir():
         return []
     found = [p for p in root.iterdir() if p.is_dir() and STEP_DIR.match(p.name)]
-    return sorted(found, key=lambda p: int(STEP_DIR.match(p.name).group(1)), reverse=True)
+    return sorted(found, key=step_of, reverse=True)
 
 
-def verify(path: str | Path) -> str | None:
-    """None if the checkpoint is complete and every file matches its manifest, else why not."""
+def read_manifest(path: str | Path) -> dict:
+    """The manifest of a checkpoint folder, checked for shape; raises CheckpointError with the reason."""
     path = Path(path)
     try:
         manifest = json.loads((path / MANIFEST).read_text())
     except FileNotFoundError:
-        return "no manifest (an interrupted save)"
+        raise CheckpointError("no manifest (an interrupted save)") from None
     except (OSError, ValueError) as exc:
-        return f"unreadable manifest ({exc})"
-    for name, info in manifest.get("files", {}).items():
+        raise CheckpointError(f"unreadable manifest ({exc})") from None
+    if not isinstance(manifest, dict):
+        raise CheckpointError(f"manifest is a JSON {type(manifest).__name__}, not an object")
+    if manifest.get("format") not in (1, FORMAT):
+        raise CheckpointError(f"manifest format {manifest.get('format')!r} is not one this version reads (1 or {FORMAT})")
+    writer = manifest.get("writer", "full")
+    if writer not in WRITERS:
+        raise CheckpointError(f"manifest names an unknown writer {writer!r}")
+    if manifest.get("step") != step_of(path):
+        raise CheckpointError(f"manifest says step {manifest.get('step')!r}, the folder says {step_of(path)}")
+    files = manifest.get("files")
+    if not isinstance(files, dict) or not files:
+        raise CheckpointError("manifest lists no files")
+    for name in WRITERS[writer]:
+        if name not in files:
+            raise CheckpointError(f"manifest does not list {name}")
+    for name, info in files.items():
+        if not isinstance(name, str) or not name or "/" in name or "\\" in name or name.startswith("."):
+            raise CheckpointError(f"manifest lists a file name that is not a plain name: {name!r}")
+        if not isinstance(info, dict) or not isinstance(info.get("bytes"), int) or isinstance(info.get("bytes"), bool) \
+                or info["bytes"] < 0 or not isinstance(info.get("sha256"), str) or not _SHA256.match(info["sha256"]):
+            raise CheckpointError(f"manifest entry for {name} needs a byte count and a sha256")
+    if not isinstance(manifest.get("meta", {}), dict):
+        raise CheckpointError("manifest meta is not an object")
+    return manifest
+
+
+def verify(path: str | Path, deep: bool = True) -> str | None:
+    """None if the checkpoint is complete and every file matches its manifest, else why not.
+    ``deep=False`` checks the manifest and the file sizes only (cheap; used when pruning)."""
+    path = Path(path)
+    try:
+        manifest = read_manifest(path)
+    except CheckpointError as exc:
+        return str(exc)
+    for name, info in manifest["files"].items():
         file = path / name
-        if not file.exists():
+        if not file.is_file():
             return f"{name} is missing"
         if file.stat().st_size != info["bytes"]:
             return f"{name} has {file.stat().st_size} bytes, manifest says {info['bytes']} (truncated?)"
-        if file_sha256(file) != info["sha256"]:
+        if deep and file_sha256(file) != info["sha256"]:
             return f"{name} does not match its sha256 (corrupted or altered)"
     return None
 
 
-def latest_good(root: str | Path) -> Path | None:
+def latest_good(root: str | Path, deep: bool = True) -> Path | None:
     """The newest checkpoint that verifies; every newer one that does not is skipped with a warning."""
+    recover(root)
     for path in list_checkpoints(root):
-        problem = verify(path)
+        problem = verify(path, deep)
         if problem is None:
             return path
         warnings.warn(f"skipping checkpoint {path.name}: {problem}", CheckpointWarning, stacklevel=2)
@@ -161,99 +244,22 @@ def load(path: str | Path) -> dict:
     problem = verify(path)
     if problem:
         raise CheckpointError(f"checkpoint {path.name} does not verify: {problem}")
+    if not zipfile.is_zipfile(path / STATE_FILE):  # what torch.save writes; anything else is not ours
+        raise CheckpointError(f"{path / STATE_FILE} is not a readable torch file (not the zip archive torch.save writes)")
     try:
         return torch.load(path / STATE_FILE, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
+        if "weights only load failed" not in str(exc).lower():
+            raise CheckpointError(f"{path / STATE_FILE} is not a readable torch file ({_first_line(exc)})") from None
         lines = [ln.strip() for ln in str(exc).splitlines() if "Unpickler error" in ln]
-        first = lines[0] if lines else str(exc).strip().splitlines()[0]
         raise CheckpointError(
             f"refusing to load {path / STATE_FILE}: it holds objects other than tensors and plain "
-            f"containers, and a checkpoint is data, not code ({first})"
+            f"containers, and a checkpoint is data, not code ({lines[0] if lines else _first_line(exc)})"
         ) from None
+    except (RuntimeError, EOFError, ValueError, OSError) as exc:
+        raise CheckpointError(f"{path / STATE_FILE} is not a readable torch file ({_first_line(exc)})") from None
 
 
-# --------------------------------------------------------------------------- RNG states as data
-
-def rng_state() -> dict:
-    """This process's RNG states in a form ``weights_only`` loading accepts."""
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
-    return {
-        "python": random.getstate(),
-        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-    }
-
-
-def set_rng_state(state: dict) -> None:
-    """Restore what :func:`rng_state` captured."""
-    random.setstate(_as_tuple(state["python"]))
-    np_state = state["numpy"]
-    np.random.set_state((np_state["kind"], np_state["keys"].numpy().astype(np.uint32), np_state["pos"],
-                         np_state["has_gauss"], np_state["cached_gaussian"]))
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _as_tuple(value: Any) -> Any:
-    return tuple(_as_tuple(v) for v in value) if isinstance(value, (list, tuple)) else value
-
-
-# --------------------------------------------------------------------------- resume validation
-
-def check_compatible(meta: dict, cfg: TrainConfig) -> None:
-    """Refuse a resume that would silently change training; say what differs and how to fix it."""
-    if meta["global_batch_size"] != cfg.global_batch_size:
-        raise CheckpointError(
-            f"checkpoint was trained with global batch {meta['global_batch_size']} "
-            f"(micro {meta['micro_batch_size']} x accum {meta['grad_accum']} x world {meta['world_size']}); "
-            f"this run has {cfg.global_batch_size} (micro {cfg.micro_batch_size} x accum {cfg.grad_accum} "
-            f"x world {cfg.world_size}): keep micro x accum x world = {meta['global_batch_size']}"
-        )
-    if meta["config_digest"] != cfg.digest():
-        ours = cfg.semantics()
-        diffs = [f"{k}: {v!r} -> {ours.get(k)!r}" for k, v in sorted(meta["semantics"].items())
-                 if ours.get(k) != v]
-        raise CheckpointError(
-            "resuming would change training (" + "; ".join(diffs) + "): use the checkpoint's values "
-            "or start a new --checkpoint-dir"
-        )
-
-
-def check_restored(state: dict, optimizer: torch.optim.Optimizer | None, cfg: TrainConfig, expected_lr: float,
-                   saved_at_step: int | None = None, probe_loss: float | None = None) -> None:
-    """After a restore, refuse a state that would not continue the run it came from.
-
-    Step (the folder's step is the state's), sampler progress (``consumed = step x global batch``),
-    optimizer state (present for every parameter, and as many optimizer steps as training steps),
-    scaler state (fp16), learning rate (the schedule's value at that step), and loss continuity (the
-    fixed probe batch's loss, recorded at save, is reproduced by the weights now in memory).
-    ``optimizer=None`` skips the optimizer checks (a deliberate weights-only restore).
-    """
-    train = state["train"]
-    step, consumed = train["step"], train["consumed_samples"]
-    if saved_at_step is not None and step != saved_at_step:
-        raise CheckpointError(f"checkpoint folder says step {saved_at_step} but its state is at step {step}: "
-                              f"the files were mixed up; start from another checkpoint")
-    if consumed != step * cfg.global_batch_size:
-        raise CheckpointError(f"sampler position {consumed} != step {step} x global batch {cfg.global_batch_size}")
-    if cfg.amp == "fp16" and not state.get("scaler"):
-        raise CheckpointError("amp fp16 needs the GradScaler state, and the checkpoint has none")
-    if optimizer is not None and step > 0:
-        if len(optimizer.state) != sum(len(g["params"]) for g in optimizer.param_groups):
-            raise CheckpointError(f"optimizer state is missing for some parameters at step {step}")
-        counts = {int(s["step"]) for s in optimizer.state.values() if "step" in s}
-        # fp16 may skip steps on overflow, so fewer optimizer steps than training steps is legal there
-        if counts and (max(counts) > step or (cfg.amp != "fp16" and counts != {step})):
-            raise CheckpointError(f"optimizer state has taken {sorted(counts)} steps but the checkpoint is at "
-                                  f"step {step}: it is not this run's optimizer state")
-        saved_lr = optimizer.param_groups[0]["lr"]
-        if abs(saved_lr - expected_lr) > 1e-12 * max(1.0, expected_lr):
-            raise CheckpointError(f"learning rate jumps: checkpoint's last lr {saved_lr} != schedule's {expected_lr}")
-    saved_probe = train.get("probe_loss")
-    if saved_probe is not None and probe_loss is not None \
-            and abs(probe_loss - saved_probe) > PROBE_RTOL * max(1.0, abs(saved_probe)):
-        raise CheckpointError(f"loss is not continuous: the probe batch's loss was {saved_probe:.6f} at save and "
-                              f"is {probe_loss:.6f} after restore: these are not the saved weights")
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

@@ -3,9 +3,13 @@
     ddpkit train --world-size 2 --steps 40                 # spawns 2 gloo ranks on this machine
     torchrun --standalone --nproc-per-node 2 -m ddpkit train --steps 40   # each process is one rank
 
-Bad input is refused before any rank starts, as one line on stderr and exit code 2. A rank failure
-prints the launcher's root-cause report; with ``--max-restarts N`` the whole world is restarted from
-the newest good checkpoint (the way torchrun's ``--max-restarts`` restarts a job), up to N times.
+Bad input is refused before any rank starts, as one line on stderr and exit code 2: every flag's
+range, every folder and file the run will write or read, and a resume that would change training
+(read from the checkpoint's manifest). What only the ranks can find out (say, a checkpoint whose
+weights do not reproduce its recorded loss) is reported the same way, one line and exit code 2. A
+rank failure prints the launcher's root-cause report; with ``--max-restarts N`` the whole world is
+restarted from the newest good checkpoint (the way torchrun's ``--max-restarts`` restarts a job), up
+to N times.
 """
 
 from __future__ import annotations
@@ -14,11 +18,13 @@ import argparse
 import os
 import sys
 import tempfile
+import warnings
 
-from ddpkit import runtime, train
-from ddpkit.launch import launch
+from ddpkit import checkpoint, runtime, state, train
 from ddpkit.config import AMP_MODES, FAIL_MODES, MODELS, TrainConfig
+from ddpkit.errors import UserError
 from ddpkit.failures import LaunchError
+from ddpkit.launch import MAX_LOCAL_RANKS, launch
 
 
 class _Parser(argparse.ArgumentParser):
@@ -46,7 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-dir", default=None)
     p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every)
     p.add_argument("--keep-last", type=int, default=d.keep_last)
-    p.add_argument("--resume", action="store_true")
+    p.add_argument("--resume", action="store_true", help="continue from the newest good checkpoint")
+    p.add_argument("--overwrite-checkpoints", action="store_true",
+                   help="delete the checkpoints already in --checkpoint-dir and start clean")
     p.add_argument("--max-restarts", type=int, default=d.max_restarts)
     p.add_argument("--timeout", type=float, default=d.timeout, help="collective timeout in seconds")
     p.add_argument("--metrics-dir", default=None)
@@ -67,6 +75,9 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         if world_size is not None and world_size != env_world:
             raise ValueError(f"--world-size {world_size} disagrees with torchrun's WORLD_SIZE={env_world}")
         world_size = env_world
+    elif world_size is not None and world_size > MAX_LOCAL_RANKS:
+        raise ValueError(f"world-size must be at most {MAX_LOCAL_RANKS} on one machine, got {world_size}: "
+                         "use torchrun to span machines")
     fields = {k: v for k, v in vars(args).items() if k != "command"}
     fields["world_size"] = world_size if world_size is not None else TrainConfig.world_size
     return TrainConfig(**fields)
@@ -76,6 +87,8 @@ def check_writable(path: str | None, what: str) -> None:
     """Fail before spawning if a directory cannot be created or written."""
     if path is None:
         return
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"{what} {path!r} is a file, not a folder: choose a folder")
     try:
         os.makedirs(path, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=path, prefix=".ddpkit-write-test-"):
@@ -84,38 +97,69 @@ def check_writable(path: str | None, what: str) -> None:
         raise ValueError(f"{what} {path!r} is not writable ({exc.strerror}): choose another directory") from None
 
 
+def check_before_launch(cfg: TrainConfig, attempt: int = 0) -> None:
+    """Everything about the run's inputs that can be checked here, before any rank starts."""
+    check_writable(cfg.checkpoint_dir, "--checkpoint-dir")
+    check_writable(cfg.metrics_dir, "--metrics-dir")
+    if cfg.summary_json:
+        if os.path.isdir(cfg.summary_json):
+            raise ValueError(f"--summary-json {cfg.summary_json!r} is a folder: give a file name, e.g. "
+                             f"{os.path.join(cfg.summary_json, 'summary.json')}")
+        check_writable(os.path.dirname(os.path.abspath(cfg.summary_json)), "--summary-json folder")
+    runtime.resolve_backend(cfg.backend, int(os.environ.get("LOCAL_WORLD_SIZE", cfg.world_size)))
+    if cfg.max_restarts and not cfg.checkpoint_dir:
+        raise ValueError("--max-restarts needs --checkpoint-dir (a restart resumes from a checkpoint)")
+    if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) and not cfg.checkpoint_dir:
+        raise ValueError("torchrun --max-restarts needs --checkpoint-dir (a restarted worker resumes from a checkpoint)")
+    if not cfg.checkpoint_dir or attempt > 0:
+        return
+    if not cfg.resume:
+        if checkpoint.list_checkpoints(cfg.checkpoint_dir) and not cfg.overwrite_checkpoints:
+            raise ValueError(train.foreign_checkpoints_message(cfg.checkpoint_dir))
+        return
+    with warnings.catch_warnings():  # the ranks warn about skipped checkpoints themselves
+        warnings.simplefilter("ignore")
+        newest = checkpoint.latest_good(cfg.checkpoint_dir, deep=False)
+    if newest is not None:
+        saved = checkpoint.read_manifest(newest).get("meta", {})
+        if {"global_batch_size", "config_digest", "semantics"} <= set(saved):
+            state.check_compatible(saved, cfg)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) if runtime.under_torchrun() else 0
     try:
         cfg = config_from_args(args)
-        check_writable(cfg.checkpoint_dir, "--checkpoint-dir")
-        check_writable(cfg.metrics_dir, "--metrics-dir")
-        if cfg.summary_json:
-            check_writable(os.path.dirname(os.path.abspath(cfg.summary_json)), "--summary-json folder")
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.world_size))
-        runtime.resolve_backend(cfg.backend, local_world)
-        if cfg.max_restarts and not cfg.checkpoint_dir:
-            raise ValueError("--max-restarts needs --checkpoint-dir (a restart resumes from a checkpoint)")
-    except ValueError as exc:
-        print(f"ddpkit: error: {exc}", file=sys.stderr)
-        return 2
+        check_before_launch(cfg, attempt)
+    except (ValueError, UserError) as exc:
+        return _refuse(exc)
     if runtime.under_torchrun():  # torchrun made us one rank; it also owns restarts
-        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-        launch(train.run, cfg.replace(resume=cfg.resume or attempt > 0), attempt,
-                      backend=cfg.backend, timeout=cfg.timeout)
+        try:
+            launch(train.run, cfg.replace(resume=cfg.resume or attempt > 0), attempt,
+                   backend=cfg.backend, timeout=cfg.timeout)
+        except UserError as exc:
+            return _refuse(exc)
         return 0
     for attempt in range(cfg.max_restarts + 1):
         run_cfg = cfg.replace(resume=cfg.resume or attempt > 0)
         try:
             launch(train.run, run_cfg, attempt, world_size=cfg.world_size, backend=cfg.backend,
-                          timeout=cfg.timeout, output="all")
+                   timeout=cfg.timeout, output="all")
             return 0
         except LaunchError as exc:
+            if exc.is_user_error:  # a restart would fail the same way
+                return _refuse(exc.root_cause.message)
             print(f"ddpkit: attempt {attempt + 1} failed: {exc}", file=sys.stderr)
             if attempt < cfg.max_restarts:
                 print(f"ddpkit: restarting all {cfg.world_size} ranks from the newest good checkpoint "
                       f"(restart {attempt + 1} of {cfg.max_restarts})", file=sys.stderr, flush=True)
     return 1
+
+
+def _refuse(reason: object) -> int:
+    print(f"ddpkit: error: {reason}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

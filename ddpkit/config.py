@@ -2,14 +2,21 @@
 
 Two ideas carry the lesson:
 
-* **The global batch is explicit.** ``global_batch_size = micro_batch_size * grad_accum * world_size``.
-  Each optimizer step averages gradients over exactly that many samples, whatever the topology; so
-  2 ranks x 8, or 1 rank x 8 x accumulation 2, or 1 rank x 16 train the same model.
+* **The global batch is explicit.** ``global_batch_size = micro_batch_size * grad_accum * dp``, where
+  ``dp`` is the number of data-parallel replicas (the world size, until tensor or pipeline parallelism
+  splits it: ``world = dp x tp x pp``). Each optimizer step averages gradients over exactly that many
+  samples, whatever the topology; so 2 ranks x 8, or 1 rank x 8 x accumulation 2, or 1 rank x 16 train
+  the same model.
 * **A digest names the training trajectory.** It is a sha256 over the sorted JSON of the fields that
   change *what is learned* (model, data, optimizer, seed, global batch), never Python's ``hash()``,
   which is salted per process (``PYTHONHASHSEED``) and so differs between ranks and between runs.
   Fields that change only *how* it runs (world size at a fixed global batch, paths, step budget,
-  fault injection) are left out, so a run may resume on another topology or train for longer.
+  fault injection) are left out, so a run may resume on another topology or train for longer. Every
+  field says which kind it is (``learned`` or ``runtime`` below): nothing is in or out of the digest
+  by where it happens to be declared.
+
+Every value is checked on construction, range included, and a bad one raises a ``ValueError`` that
+names the fix: before any rank starts, not as a traceback from inside one.
 """
 
 from __future__ import annotations
@@ -17,11 +24,31 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from dataclasses import dataclass
+import math
+import os
+from dataclasses import dataclass, field
+
+from ddpkit.parallel.dims import ParallelDims
 
 MODELS = ("mlp", "gpt")
 AMP_MODES = ("off", "bf16", "fp16")
 FAIL_MODES = ("raise", "exit", "kill", "hang", "slow")
+STRATEGIES = ("ddp",)
+MAX_SEED = 2**32 - 1  # numpy's limit; derived seeds (seed x 1,000,003 + epoch) stay inside torch's 64 bits
+MAX_WORKERS = 32
+MAX_DELAY_S = 60.0
+MAX_TIMEOUT_S = 86_400.0  # a day: beyond it a "timeout" is a hang by another name
+MEMORY_SHARE = 0.5  # a config whose ranks would need more than this share of the machine's memory is refused
+
+
+def learned(default):
+    """A field that changes what is learned: part of the digest; a resume may not change it."""
+    return field(default=default, metadata={"digest": True})
+
+
+def runtime(default):
+    """A field that changes only how a run executes: outside the digest."""
+    return field(default=default, metadata={"digest": False})
 
 
 @dataclass(frozen=True)
@@ -29,80 +56,89 @@ class TrainConfig:
     """Everything a run needs. Validated on construction: bad values raise ``ValueError``."""
 
     # --- what is learned (part of the digest) -------------------------------------------------
-    model: str = "mlp"
+    model: str = learned("mlp")
     """``mlp`` (the handbook's 3-layer MLP on a teacher-labelled set) or ``gpt`` (tiny GPT, Markov corpus)."""
-    dataset_size: int = 2048
+    dataset_size: int = learned(2048)
     """Number of samples in the synthetic dataset (one epoch)."""
-    seed: int = 17
-    """Seeds model init, data, and the epoch shuffles."""
-    lr: float = 3e-3
-    """Peak AdamW learning rate."""
-    warmup_steps: int = 5
+    seed: int = learned(17)
+    """Seeds model init, data, and the epoch shuffles (0 .. 2**32-1)."""
+    lr: float = learned(3e-3)
+    """Peak AdamW learning rate, in (0, 1]."""
+    warmup_steps: int = learned(5)
     """Linear warm-up from lr/warmup to lr; then constant (the schedule never depends on --steps)."""
-    weight_decay: float = 0.01
-    """AdamW decoupled weight decay."""
-    grad_clip: float = 1.0
+    weight_decay: float = learned(0.01)
+    """AdamW decoupled weight decay, in [0, 1)."""
+    grad_clip: float = learned(1.0)
     """Clip the global gradient norm at this value, or disable if == 0.0."""
-    amp: str = "off"
+    amp: str = learned("off")
     """``off`` (fp32), ``bf16`` (autocast, no scaler needed) or ``fp16`` (autocast + GradScaler)."""
-    input_width: int = 256
+    input_width: int = learned(256)
     """MLP input features."""
-    hidden_width: int = 512
+    hidden_width: int = learned(512)
     """MLP hidden width."""
-    num_classes: int = 8
+    num_classes: int = learned(8)
     """MLP output classes."""
-    vocab_size: int = 64
+    vocab_size: int = learned(64)
     """GPT vocabulary."""
-    seq_len: int = 16
+    seq_len: int = learned(16)
     """GPT context length."""
-    d_model: int = 32
+    d_model: int = learned(32)
     """GPT embedding width."""
-    n_heads: int = 4
+    n_heads: int = learned(4)
     """GPT attention heads (must divide d_model)."""
-    n_layers: int = 2
+    n_layers: int = learned(2)
     """GPT transformer blocks."""
 
     # --- how it runs (not in the digest) ------------------------------------------------------
-    world_size: int = 2
+    world_size: int = runtime(2)
     """Ranks (processes). Under torchrun it comes from WORLD_SIZE."""
-    micro_batch_size: int = 8
-    """Samples per rank per forward/backward."""
-    grad_accum: int = 1
+    tp: int = runtime(1)
+    """Tensor-parallel degree: ranks that split each layer (world = dp x tp x pp)."""
+    pp: int = runtime(1)
+    """Pipeline-parallel degree: ranks that split the layers into stages."""
+    strategy: str = runtime("ddp")
+    """How the model, gradients and optimizer state are split across data-parallel ranks."""
+    micro_batch_size: int = runtime(8)
+    """Samples per data-parallel rank per forward/backward."""
+    grad_accum: int = runtime(1)
     """Micro-batches per optimizer step on each rank."""
-    steps: int = 40
+    steps: int = runtime(40)
     """Optimizer steps to reach (counting steps done before a resume)."""
-    backend: str = "auto"
+    backend: str = runtime("auto")
     """``auto`` (NCCL with one GPU per rank, else gloo), ``gloo`` or ``nccl``."""
-    num_workers: int = 0
+    num_workers: int = runtime(0)
     """DataLoader worker processes per rank (0 = load in the training process)."""
-    data_delay_s: float = 0.0
+    data_delay_s: float = runtime(0.0)
     """Extra seconds to load each sample: simulates a slow input pipeline."""
-    checkpoint_dir: str | None = None
+    checkpoint_dir: str | None = runtime(None)
     """Where checkpoints go; None disables checkpointing."""
-    checkpoint_every: int = 0
+    checkpoint_every: int = runtime(0)
     """Save every N steps (0 = only at the end). Step-based, so every rank agrees when to save."""
-    keep_last: int = 3
-    """Keep this many newest checkpoints."""
-    resume: bool = False
+    keep_last: int = runtime(3)
+    """Keep this many newest good checkpoints."""
+    resume: bool = runtime(False)
     """Resume from the newest checkpoint in checkpoint_dir that verifies."""
-    max_restarts: int = 0
+    overwrite_checkpoints: bool = runtime(False)
+    """Without resume: delete the checkpoints already in checkpoint_dir instead of refusing the folder."""
+    max_restarts: int = runtime(0)
     """On a rank failure, restart the whole world from the newest good checkpoint up to N times."""
-    timeout: float = 30.0
-    """Seconds a collective may wait before raising (PyTorch's default is 30 minutes)."""
-    metrics_dir: str | None = None
+    timeout: float = runtime(30.0)
+    """Seconds a collective may wait before raising (PyTorch's default is 30 minutes); a training step
+    that takes this long plus a margin stops its rank (the stall limit: nothing waits forever)."""
+    metrics_dir: str | None = runtime(None)
     """One JSONL file per rank with step events; None disables."""
-    summary_json: str | None = None
+    summary_json: str | None = runtime(None)
     """Rank 0 writes the run summary here at the end."""
-    log_every: int = 10
+    log_every: int = runtime(10)
     """Rank 0 prints a loss-table row every N steps (and the last one)."""
-    fail_at_step: int | None = None
+    fail_at_step: int | None = runtime(None)
     """Fault injection: fail once, after this many optimizer steps."""
-    fail_rank: int = 0
+    fail_rank: int = runtime(0)
     """Fault injection: the rank that fails."""
-    fail_mode: str = "raise"
+    fail_mode: str = runtime("raise")
     """Fault injection: ``raise`` an exception, ``exit`` the process, ``kill`` it with SIGKILL, ``hang``,
     or ``slow``: from ``fail_at_step`` on, spend ``slow_step_s`` more per step (a straggler)."""
-    slow_step_s: float = 0.05
+    slow_step_s: float = runtime(0.05)
     """Fault injection, mode ``slow``: extra seconds the slow rank spends loading each step's data."""
 
     def __post_init__(self) -> None:
@@ -110,37 +146,84 @@ class TrainConfig:
             if not condition:
                 raise ValueError(message)
 
+        def flag(name: str) -> str:
+            return name.replace("_", "-")
+
+        for f in dataclasses.fields(self):  # types first: a string or a bool where a number belongs
+            value = getattr(self, f.name)
+            if f.type in ("int", "int | None") and value is not None:
+                need(isinstance(value, int) and not isinstance(value, bool), f"{flag(f.name)} must be a whole number, got {value!r}")
+            if f.type == "float":
+                need(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value),
+                     f"{flag(f.name)} must be a finite number, got {value!r}")
         need(self.model in MODELS, f"unknown model {self.model!r}: use one of {', '.join(MODELS)}")
         need(self.amp in AMP_MODES, f"unknown amp mode {self.amp!r}: use one of {', '.join(AMP_MODES)}")
         need(self.fail_mode in FAIL_MODES, f"unknown fail mode {self.fail_mode!r}: use one of {', '.join(FAIL_MODES)}")
-        for name in ("world_size", "micro_batch_size", "grad_accum", "dataset_size", "keep_last",
+        need(self.strategy in STRATEGIES, f"unknown strategy {self.strategy!r}: use one of {', '.join(STRATEGIES)}")
+        for name in ("world_size", "tp", "pp", "micro_batch_size", "grad_accum", "dataset_size", "keep_last",
                      "input_width", "hidden_width", "num_classes", "vocab_size", "seq_len",
                      "d_model", "n_heads", "n_layers", "log_every"):
-            need(getattr(self, name) >= 1, f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+            need(getattr(self, name) >= 1, f"{flag(name)} must be >= 1, got {getattr(self, name)}")
         for name in ("steps", "warmup_steps", "checkpoint_every", "max_restarts", "num_workers"):
-            need(getattr(self, name) >= 0, f"{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
-        need(self.lr > 0, f"lr must be > 0, got {self.lr}")
-        need(self.weight_decay >= 0 and self.grad_clip >= 0 and self.data_delay_s >= 0 and self.slow_step_s >= 0,
-             "weight-decay, grad-clip, data-delay-s and slow-step-s must be >= 0")
-        need(self.timeout > 0, f"timeout must be > 0 seconds, got {self.timeout}")
+            need(getattr(self, name) >= 0, f"{flag(name)} must be >= 0, got {getattr(self, name)}")
+        need(0 <= self.seed <= MAX_SEED, f"seed must be in 0 .. {MAX_SEED}, got {self.seed}")
+        need(0 < self.lr <= 1, f"lr must be in (0, 1], got {self.lr}")
+        need(0 <= self.weight_decay < 1, f"weight-decay must be in [0, 1), got {self.weight_decay}")
+        need(self.grad_clip >= 0, f"grad-clip must be >= 0, got {self.grad_clip}")
+        for name in ("data_delay_s", "slow_step_s"):
+            need(0 <= getattr(self, name) <= MAX_DELAY_S, f"{flag(name)} must be in [0, {MAX_DELAY_S:g}] seconds, got {getattr(self, name)}")
+        need(0 < self.timeout <= MAX_TIMEOUT_S, f"timeout must be in (0, {MAX_TIMEOUT_S:g}] seconds, got {self.timeout}")
+        need(self.num_workers <= MAX_WORKERS, f"num-workers must be <= {MAX_WORKERS}, got {self.num_workers}")
         need(self.d_model % self.n_heads == 0, f"n-heads ({self.n_heads}) must divide d-model ({self.d_model})")
+        need(self.world_size % (self.tp * self.pp) == 0,
+             f"world size {self.world_size} is not divisible by tp x pp = {self.tp} x {self.pp}")
+        need(self.tp == 1 and self.pp == 1 or self.strategy != "ddp",
+             "strategy ddp replicates the whole model on every rank: use tp = pp = 1")
         need(self.global_batch_size <= self.dataset_size,
              f"global batch {self.global_batch_size} (micro {self.micro_batch_size} x accum "
-             f"{self.grad_accum} x world {self.world_size}) is larger than the dataset "
+             f"{self.grad_accum} x world {self.dp}) is larger than the dataset "
              f"({self.dataset_size} samples): lower the batch or raise --dataset-size")
         need(not self.resume or self.checkpoint_dir is not None, "--resume needs --checkpoint-dir")
+        need(not self.checkpoint_every or self.checkpoint_dir is not None, "--checkpoint-every needs --checkpoint-dir")
+        need(not (self.resume and self.overwrite_checkpoints),
+             "--resume continues the checkpoints that --overwrite-checkpoints would delete: choose one")
         need(0 <= self.fail_rank < self.world_size,
              f"fail-rank {self.fail_rank} is not a rank of a world of {self.world_size}")
         need(self.fail_at_step is None or self.fail_at_step >= 0, "fail-at-step must be >= 0")
+        need_bytes, have_bytes = self.estimated_bytes_per_rank() * self.world_size, physical_memory()
+        need(not have_bytes or need_bytes <= MEMORY_SHARE * have_bytes,
+             f"this config needs about {need_bytes / 2**30:.1f} GiB for {self.world_size} ranks (each builds "
+             f"the {self.dataset_size}-sample dataset and the model), more than half of this machine's "
+             f"{have_bytes / 2**30:.1f} GiB: lower --dataset-size or the model widths")
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel replicas: world / (tp x pp)."""
+        return self.world_size // (self.tp * self.pp)
+
+    @property
+    def dims(self) -> ParallelDims:
+        """The parallel layout this config asks for."""
+        return ParallelDims.from_world(self.world_size, self.tp, self.pp)
 
     @property
     def global_batch_size(self) -> int:
-        """Samples per optimizer step across the whole job."""
-        return self.micro_batch_size * self.grad_accum * self.world_size
+        """Samples per optimizer step across the whole job: micro x accum x dp."""
+        return self.micro_batch_size * self.grad_accum * self.dp
+
+    def estimated_bytes_per_rank(self) -> int:
+        """What one rank holds at least: the synthetic dataset, and fp32 weights, gradients and 2 Adam moments."""
+        if self.model == "mlp":
+            data = self.dataset_size * (self.input_width * 4 + 8)
+            params = (self.input_width + 1) * self.hidden_width + (self.hidden_width + 1) * (self.hidden_width + self.num_classes)
+        else:
+            data = self.dataset_size * (self.seq_len + 1) * 8
+            params = (self.vocab_size * 2 + self.seq_len) * self.d_model + self.n_layers * 13 * self.d_model**2
+        return data + 16 * params
 
     def semantics(self) -> dict:
         """The fields that decide what is learned, plus the global batch: what the digest covers."""
-        names = [f.name for f in dataclasses.fields(self)][: _FIRST_RUNTIME_FIELD]
+        names = [f.name for f in dataclasses.fields(self) if f.metadata["digest"]]
         return {**{n: getattr(self, n) for n in names}, "global_batch_size": self.global_batch_size}
 
     def digest(self) -> str:
@@ -156,4 +239,9 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
 
-_FIRST_RUNTIME_FIELD = [f.name for f in dataclasses.fields(TrainConfig)].index("world_size")
+def physical_memory() -> int:
+    """Bytes of RAM on this machine (0 if unknown)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0

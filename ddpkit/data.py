@@ -4,8 +4,9 @@ DDP synchronises gradients; it does **not** split the input. Without a distribut
 rank trains on the same samples, and the run still looks healthy. Two rules make the input stream
 correct, and this module enforces both:
 
-1. **Partition**: in every epoch each sample goes to exactly one rank (no duplicates, no omissions),
-   decided by ``(seed, epoch)`` alone, so every rank computes the same partition without talking.
+1. **Partition**: in every epoch each sample goes to exactly one data-parallel rank (no duplicates, no
+   omissions), decided by ``(seed, epoch)`` alone, so every rank computes the same partition without
+   talking. Tensor- and pipeline-parallel peers share a data-parallel index and see the same samples.
 2. **Position in global samples**: progress is "how many samples the *job* has trained on", counted
    by the training loop after each optimizer step, not by the sampler as the DataLoader pulls indices
    (workers prefetch ahead of training). A global count means a run can resume on a different world
@@ -13,8 +14,8 @@ correct, and this module enforces both:
 
 :class:`ResumableDistributedSampler` yields, for an uninterrupted epoch, exactly the indices that
 ``torch.utils.data.DistributedSampler(shuffle=True, drop_last=True)`` yields (same ``randperm`` seeded
-with ``seed + epoch``, rank ``r`` takes every ``world_size``-th index), truncated to whole global
-batches; the tests check this against PyTorch's own sampler.
+with ``seed + epoch``, data-parallel rank ``r`` takes every ``num_replicas``-th index), truncated to
+whole global batches; the tests check this against PyTorch's own sampler.
 """
 
 from __future__ import annotations
@@ -76,20 +77,27 @@ class MarkovTokens(Dataset):
 
 
 class ResumableDistributedSampler(Sampler[int]):
-    """A rank's share of the current epoch, from a position counted in global samples.
+    """A data-parallel rank's share of the current epoch, from a position counted in global samples.
 
-    ``consumed_samples`` is the number of samples the whole job has trained on. The training loop
-    sets it (:meth:`set_consumed`) before it asks for an epoch's iterator; iterating never changes it.
-    The iterator covers the rest of the current epoch only; the loop asks again for the next epoch.
+    ``num_replicas`` and ``rank`` are the **data-parallel** size and index (``ctx.dp_size``,
+    ``ctx.dp_rank``): tensor- and pipeline-parallel peers hold the same data-parallel index and so
+    see the same samples. ``consumed_samples`` is the number of samples the whole job has trained on.
+    The training loop sets it (:meth:`set_consumed`) before it asks for an epoch's iterator; iterating
+    never changes it. The iterator covers the rest of the current epoch only; the loop asks again for
+    the next epoch.
     """
 
-    def __init__(self, dataset_len: int, world_size: int, rank: int, global_batch_size: int,
+    def __init__(self, dataset_len: int, num_replicas: int, rank: int, global_batch_size: int,
                  seed: int, consumed_samples: int = 0):
-        if global_batch_size % world_size:
-            raise ValueError(f"global batch {global_batch_size} is not a multiple of world size {world_size}")
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank {rank} is not in a world of {world_size}")
-        self.dataset_len, self.world_size, self.rank = dataset_len, world_size, rank
+        for name, value, low in (("dataset_len", dataset_len, 1), ("num_replicas", num_replicas, 1),
+                                 ("global_batch_size", global_batch_size, 1), ("consumed_samples", consumed_samples, 0)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"{name} must be a whole number >= {low}, got {value!r}")
+        if not isinstance(rank, int) or not 0 <= rank < num_replicas:
+            raise ValueError(f"rank {rank!r} is not in a data-parallel world of {num_replicas}")
+        if global_batch_size % num_replicas:
+            raise ValueError(f"global batch {global_batch_size} is not a multiple of {num_replicas} data-parallel ranks")
+        self.dataset_len, self.num_replicas, self.rank = dataset_len, num_replicas, rank
         self.global_batch_size, self.seed = global_batch_size, seed
         self.samples_per_epoch = (dataset_len // global_batch_size) * global_batch_size
         if self.samples_per_epoch == 0:
@@ -109,20 +117,14 @@ class ResumableDistributedSampler(Sampler[int]):
         gen = torch.Generator().manual_seed(self.seed + epoch)
         return torch.randperm(self.dataset_len, generator=gen).tolist()
 
-    def global_batch(self, step: int) -> list[int]:
-        """The sample ids of optimizer step ``step`` (0-based) across all ranks."""
-        start = step * self.global_batch_size
-        epoch, offset = divmod(start, self.samples_per_epoch)
-        return self.epoch_order(epoch)[offset: offset + self.global_batch_size]
-
     def __iter__(self):
         offset = self.consumed_samples % self.samples_per_epoch
         order = self.epoch_order(self.epoch)
-        return iter(order[offset + self.rank: self.samples_per_epoch: self.world_size])
+        return iter(order[offset + self.rank: self.samples_per_epoch: self.num_replicas])
 
     def __len__(self) -> int:
         offset = self.consumed_samples % self.samples_per_epoch
-        return (self.samples_per_epoch - offset) // self.world_size
+        return (self.samples_per_epoch - offset) // self.num_replicas
 
     def state_dict(self) -> dict:
         return {"consumed_samples": self.consumed_samples, "seed": self.seed,

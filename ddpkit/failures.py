@@ -3,30 +3,39 @@
 When one rank of a collective job dies, the others fail too, a little later and for a reason that is
 not theirs: a peer's socket closes ("Connection closed by peer"), or a collective times out waiting for
 a rank that will never arrive. A report that shows the first traceback it happens to read often shows
-one of these knock-on failures and sends the reader after the wrong rank. This module sorts failures
-into the cause and its consequences:
+one of these knock-on failures and sends the reader after the wrong rank.
 
-* a rank that **raised** an ordinary exception, or **exited** / was **killed** on its own, is a
-  candidate root cause; the earliest candidate wins;
-* a rank whose error reads like a lost peer or an expired collective timeout is **knock-on**;
+Failures are sorted by **what the rank was doing**, not by the words of the message:
+
+* an exception raised **inside a collective** (from ``torch.distributed``, or from DDP's all-reduce
+  inside ``backward``) is **knock-on**: the rank was waiting for, or talking to, its peers. An
+  exception raised in the rank's own code is a candidate root cause, whatever it says: a user's
+  ``TimeoutError("reading shard 3 timed out")`` is the cause, not a symptom;
+* a rank that **exited** or was **killed** on its own is a candidate root cause, except a rank that
+  NCCL's watchdog aborted (SIGABRT) after a collective timed out: its log says so, and it is knock-on;
 * when every failure is knock-on, the ranks still running are **stalled**: they are what the others
-  were waiting for (the launcher dumps their stacks before stopping them);
+  were waiting for (the launcher dumps their stacks before stopping them). A rank whose own stall
+  watchdog fired (the trainer's step limit) is stalled too;
 * ranks the launcher had to stop are listed as **stopped**.
+
+Among candidates the earliest wins.
 """
 
 from __future__ import annotations
 
+import os
 import signal
+import traceback as tb
 from dataclasses import dataclass
 
-# Messages (gloo, NCCL, c10d store) that mean "my peer is gone" or "my peer never came".
-KNOCK_ON_MARKERS = (
-    "connection closed by peer", "connection reset by peer", "broken pipe",
-    "timed out", "timeout", "socket closed", "communicator was aborted",
-    "failed to recv", "failed to send", "distnetworkerror", "connection refused",
-)
-
 ROOT_KINDS = ("raised", "exited", "killed")
+_COMM_CODE = (f"torch{os.sep}distributed{os.sep}", f"torch{os.sep}nn{os.sep}parallel{os.sep}")
+_AUTOGRAD_ENGINE = f"torch{os.sep}autograd{os.sep}"
+_COMM_WORDS = ("gloo", "nccl", "connection", "peer", "timed out", "collective", "process group", "socket")
+# What NCCL's watchdog writes before it aborts a rank whose collective timed out.
+_WATCHDOG_MARKS = ("watchdog caught collective operation timeout", "collective operation timeout",
+                   "some nccl operations have failed or timed out")
+STALL_MARK = "Timeout ("  # faulthandler.dump_traceback_later's header, written when a stall limit fires
 
 
 @dataclass
@@ -39,25 +48,46 @@ class RankFailure:
     message: str
     traceback: str = ""
     time: float = 0.0  # time.time() when it happened (or was noticed)
+    knock_on: bool = False  # a consequence of another rank's failure (see the module docstring)
+    user_error: bool = False  # the message names a fix the user can make (ddpkit.errors.UserError)
 
     @property
     def is_knock_on(self) -> bool:
-        """True when the error reads like a consequence of another rank's failure."""
-        if self.kind != "raised":
-            return False
-        text = f"{self.exc_type} {self.message}".lower()
-        return any(marker in text for marker in KNOCK_ON_MARKERS)
+        return self.knock_on
 
     def headline(self) -> str:
         what = self.kind if self.exc_type == self.kind else f"{self.kind}: {self.exc_type}"
         return f"rank {self.rank} {what}: {self.message}"
 
 
-def exit_failure(rank: int, exitcode: int, when: float) -> RankFailure:
-    """A rank that ended without a Python error record: os._exit(n), a signal, a C++ abort."""
+def raised_in_collective(exc: BaseException) -> bool:
+    """True when ``exc`` came out of communication: torch.distributed's code, or DDP's all-reduce that
+    runs inside the autograd engine during ``backward``. Decided by where it was raised and its type."""
+    if not isinstance(exc, RuntimeError):  # DistError is a RuntimeError; ValueError & co. are argument bugs
+        return False
+    frames = tb.extract_tb(exc.__traceback__)
+    where = frames[-1].filename if frames else ""
+    if any(part in where for part in _COMM_CODE):
+        return True
+    if _AUTOGRAD_ENGINE in where:  # backward raised from C++: DDP's reducer, or an op's own error
+        return any(word in str(exc).lower() for word in _COMM_WORDS)
+    return False
+
+
+def exit_failure(rank: int, exitcode: int, when: float, log_tail: str = "") -> RankFailure:
+    """A rank that ended without a Python error record: os._exit(n), a signal, a C++ abort, a watchdog."""
     if exitcode < 0:
         name = signal.Signals(-exitcode).name if -exitcode in signal.valid_signals() else str(-exitcode)
+        if name == "SIGABRT" and any(m in log_tail.lower() for m in _WATCHDOG_MARKS):
+            line = next((ln.strip() for ln in log_tail.splitlines()
+                         if any(m in ln.lower() for m in _WATCHDOG_MARKS)), "")
+            return RankFailure(rank, "killed", name, f"aborted by NCCL's watchdog after a collective timed out ({line})",
+                               log_tail, when, knock_on=True)
         return RankFailure(rank, "killed", name, f"rank process was killed by {name}", time=when)
+    if STALL_MARK in log_tail and "most recent call first" in log_tail:
+        stack = log_tail[log_tail.index(STALL_MARK):]
+        return RankFailure(rank, "stalled", "stalled", "no training step finished within its stall limit "
+                           "(the rank's own watchdog stopped it; its stack is below)", stack, when)
     return RankFailure(rank, "exited", f"exit code {exitcode}",
                        f"rank process exited with code {exitcode} before returning", time=when)
 
@@ -71,7 +101,7 @@ def pick_root_cause(failures: list[RankFailure]) -> RankFailure:
         return min(primary, key=lambda f: (f.time, f.rank))
     stalled = [f for f in failures if f.kind == "stalled"]
     if stalled:
-        return min(stalled, key=lambda f: f.rank)
+        return min(stalled, key=lambda f: (f.time, f.rank))
     return min(failures, key=lambda f: (f.time, f.rank))
 
 
@@ -95,6 +125,11 @@ class LaunchError(RuntimeError):
     def rank(self) -> int:
         """The root-cause rank."""
         return self.root_cause.rank
+
+    @property
+    def is_user_error(self) -> bool:
+        """True when the root cause is an input the user can fix (its message says how)."""
+        return self.root_cause.user_error
 
     def render(self) -> str:
         lines = [self.root_cause.headline()]

@@ -10,32 +10,40 @@ What it does that ``torch.multiprocessing.start_processes`` leaves to you:
 
 * **start method**: a function defined in a notebook cell lives in ``__main__`` and cannot be
   imported by a fresh ``spawn`` interpreter ("Can't get attribute ... on <module '__main__'>"), so
-  ``auto`` forks on Linux/macOS, and refuses to fork once CUDA is initialised in this process (CUDA
-  state does not survive ``fork``) unless the function is importable, in which case it spawns;
+  ``auto`` forks on Linux/macOS. Forking is refused once the CUDA driver is live in this process
+  (CUDA does not survive ``fork``); an importable function is spawned instead, and NCCL ranks are
+  spawned whenever the function allows it;
+* **a clean parent**: refuses a process that already belongs to a process group (forked ranks would
+  inherit it) or whose environment already says it is a rank (``RANK``/``WORLD_SIZE``), with the fix;
 * **isolation**: a fresh free port per launch; rank variables are set only inside the ranks; the
-  one variable set around process start (``OMP_NUM_THREADS``, so ranks x threads <= cores) is
-  restored; no signal handler of the caller is touched; nothing is left running;
-* **threads**: spawned ranks get cores // ranks threads each; forked ranks get 1, because GNU
-  OpenMP's thread pool does not survive ``fork`` (a child that opens a parallel region after the
-  parent used one hangs in a futex, seen here with torch 2.13);
+  one variable set around process start (``OMP_NUM_THREADS``) is restored; nothing is left running;
 * **failures**: one :class:`~ddpkit.failures.LaunchError` naming the root-cause rank, its exception and
-  traceback, with knock-on failures listed apart; all other ranks are stopped;
-* **no endless waits**: a short collective timeout, and a watchdog that names the rank everyone else
-  is waiting for (with its Python stack) instead of hanging;
+  traceback, with knock-on failures listed apart; all other ranks are stopped (see ``monitor.py``);
 * **output**: each rank's stdout/stderr go to ``rank{N}.log`` (file descriptors 1 and 2, so C++
-  messages too) and are relayed to the caller as ``[rank N] ...`` lines, or rank 0 only.
+  messages too) and are relayed to the caller as ``[rank N] ...`` lines, or rank 0's only;
+* **speed**: modules every training rank imports on first use (``torch._dynamo``, which the first
+  optimizer step pulls in, and ``torch.distributed.checkpoint``) are imported once here before forking,
+  so forked ranks inherit them; a rank ends with ``os._exit`` after a final barrier, skipping an
+  interpreter teardown that would walk the whole heap it inherited from a notebook kernel.
+
+Python 3.12 warns that "this process is multi-threaded, use of fork() may lead to deadlocks": a
+child inherits only the forking thread, so a lock held by another thread stays locked forever in the
+child. The launcher forks knowing this: the child flushes and replaces its standard streams, runs one
+OpenMP thread, never touches a process group or CUDA state of the parent (both refused above), and so
+never waits on a lock that only a parent thread could release. The warning is silenced for that one
+call. DataLoader workers forked inside a rank are treated the same way (see ``train.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import faulthandler
 import importlib
 import io
 import json
 import os
 import pickle
+import re
 import shutil
 import signal
 import socket
@@ -43,6 +51,7 @@ import sys
 import tempfile
 import time
 import traceback
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -50,55 +59,61 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ddpkit import runtime
-from ddpkit.failures import LaunchError, RankFailure, exit_failure
+from ddpkit.config import MAX_TIMEOUT_S
+from ddpkit.errors import UserError
+from ddpkit.failures import LaunchError, raised_in_collective
+from ddpkit.files import write_atomic
+from ddpkit.monitor import Monitor
 
 OUTPUT_MODES = ("all", "rank0", "none")
-POLL_S = 0.005  # parent poll period: adds at most this much latency to a launch
-KNOCK_ON_WINDOW_S = 1.0  # after the first failure, how long survivors get to report theirs
+MAX_LOCAL_RANKS = 64  # more processes than this on one machine is a typo, not a plan
 STOP_GRACE_S = 1.0  # SIGTERM, then SIGKILL after this long
+KEEP_FAILED_LOGS = 10  # log folders of failed launches kept in the temp folder, newest first
+LOG_PREFIX = "ddpkit-launch-"
+_OWN_FILE = re.compile(r"^rank\d+\.(log|result|error\.json)$")
+FORK_WARNING = r".*multi-threaded, use of fork\(\) may lead to deadlocks"
 
 
-def launch(fn: Callable[..., Any], *args: Any, world_size: int = 2, backend: str = "auto",
+def launch(fn: Callable[..., Any], *args: Any, world_size: int | None = None, backend: str = "auto",
            start_method: str = "auto", timeout: float = runtime.DEFAULT_TIMEOUT_S,
-           output: str = "all", log_dir: str | None = None, kwargs: dict | None = None,
-           deadline: float | None = None) -> list[Any]:
-    """Run ``fn(ctx, *args, **kwargs)`` on ``world_size`` real ranks; return their results by rank.
+           output: str = "all", log_dir: str | None = None, kwargs: dict | None = None) -> list[Any]:
+    """Run ``fn(ctx, *args, **kwargs)`` on ``world_size`` real ranks (2 by default); return results by rank.
 
-    ``timeout`` bounds every collective (and the wait for stragglers once a rank has finished);
-    ``deadline``, if given, bounds the whole launch. ``output`` is ``all``, ``rank0`` or ``none``.
-    ``log_dir`` keeps the per-rank logs there; by default they go to a temporary folder that is
-    removed after a clean run and kept (and named in the error) after a failure.
+    ``timeout`` bounds every collective (and the wait for stragglers once a rank has finished).
+    ``output`` is ``all``, ``rank0`` or ``none``. ``log_dir`` keeps the per-rank logs there; by
+    default they go to a temporary folder that is removed after a clean run and kept (and named in
+    the error) after a failure; only the newest few failed ones are kept.
     """
     kwargs = dict(kwargs or {})
+    check_timeout(timeout)
     if runtime.under_torchrun():
-        return _run_as_external_rank(fn, args, kwargs, backend, timeout)
-    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
-        raise ValueError(f"world_size must be a whole number >= 1, got {world_size!r}")
+        return _run_as_external_rank(fn, args, kwargs, world_size, backend, timeout)
+    world_size = 2 if world_size is None else world_size
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or not 1 <= world_size <= MAX_LOCAL_RANKS:
+        raise ValueError(f"world_size must be a whole number from 1 to {MAX_LOCAL_RANKS}, got {world_size!r}")
     if output not in OUTPUT_MODES:
         raise ValueError(f"output must be one of {', '.join(OUTPUT_MODES)}, got {output!r}")
-    if not timeout > 0:
-        raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
+    if dist.is_available() and dist.is_initialized():
+        raise ValueError("this process already belongs to a torch.distributed process group, which forked ranks "
+                         "would inherit and hang on: call torch.distributed.destroy_process_group() first, "
+                         "or restart the kernel")
     resolved_backend = runtime.resolve_backend(backend, world_size)
-    method = resolve_start_method(start_method, fn)
+    method = resolve_start_method(start_method, fn, resolved_backend)
+    if method == "fork":
+        _import_what_ranks_need()
 
-    own_dir = log_dir is None
-    run_dir = tempfile.mkdtemp(prefix="ddpkit-launch-") if own_dir else os.path.abspath(log_dir)
-    os.makedirs(run_dir, exist_ok=True)
-    for stale in os.listdir(run_dir):  # a reused log_dir must not hand back an old result
-        if stale.endswith((".result", ".error.json", ".log")):
-            os.remove(os.path.join(run_dir, stale))
-    spec = dict(world_size=world_size, backend=resolved_backend, port=free_port(),
-                timeout=timeout, run_dir=run_dir)
-    monitor = _Monitor(world_size, run_dir, output, timeout, deadline)
+    run_dir = _make_run_dir(log_dir)
+    spec = dict(world_size=world_size, backend=resolved_backend, port=free_port(), timeout=timeout,
+                run_dir=run_dir, forked=method == "fork")
+    monitor = Monitor(world_size, run_dir, output, timeout)
     procs: list[Any] = []
     context = mp.get_context(method)
     sys.stdout.flush()
     sys.stderr.flush()  # a forked child must not inherit (and print again) unflushed output
     try:
-        # GNU OpenMP's thread pool does not survive fork: a forked child that opens a parallel
-        # region after the parent used one deadlocks (PyTorch's DataLoader workers also run 1 thread).
-        threads = 1 if method == "fork" else runtime.threads_per_rank(world_size)
-        with _patched_env({"OMP_NUM_THREADS": str(threads)}):
+        with _patched_env({"OMP_NUM_THREADS": str(runtime.threads_per_rank(method == "fork"))}), \
+                warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=FORK_WARNING, category=DeprecationWarning)
             for rank in range(world_size):
                 proc = context.Process(target=_rank_main, name=f"ddpkit-rank{rank}",
                                        args=(fn, args, kwargs, rank, spec))
@@ -109,35 +124,46 @@ def launch(fn: Callable[..., Any], *args: Any, world_size: int = 2, backend: str
         _stop(procs)
         monitor.close()
     if failures:
+        if log_dir is None:  # kept for the error report; the oldest failed ones go
+            write_atomic(os.path.join(run_dir, "FAILED"), b"")
+            _prune_failed_logs()
         raise LaunchError.from_failures(failures, log_dir=run_dir)
     results = [_read_result(run_dir, rank) for rank in range(world_size)]
-    if own_dir:
+    if log_dir is None:
         shutil.rmtree(run_dir, ignore_errors=True)
     return results
 
 
-def resolve_start_method(requested: str, fn: Callable[..., Any]) -> str:
+def check_timeout(timeout: Any) -> None:
+    """A collective timeout must be a finite number of seconds in (0, one day]."""
+    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) \
+            or not 0 < timeout <= MAX_TIMEOUT_S:
+        raise ValueError(f"timeout must be a number of seconds in (0, {MAX_TIMEOUT_S:g}], got {timeout!r}")
+
+
+def resolve_start_method(requested: str, fn: Callable[..., Any], backend: str = "gloo") -> str:
     """Pick fork or spawn, or explain in one line why neither can work."""
     methods = mp.get_all_start_methods()
     if requested not in ("auto", *methods):
         raise ValueError(f"start_method must be auto or one of {', '.join(methods)}, got {requested!r}")
-    cuda_ready = torch.cuda.is_initialized()
+    cuda_live = runtime.cuda_touched()
     importable = is_importable(fn)
     name = getattr(fn, "__qualname__", repr(fn))
     if requested == "auto":
-        if "fork" in methods and not cuda_ready:
+        if importable and (backend == "nccl" or cuda_live or "fork" not in methods):
+            return "spawn"  # GPU ranks start clean; and nothing else is possible once CUDA is live here
+        if "fork" in methods and not cuda_live:
             return "fork"
-        if importable:
-            return "spawn"
         raise ValueError(
             f"cannot start ranks for {name}: CUDA is already initialised here, so ranks cannot be "
             "forked, and the function is defined in __main__ (a notebook cell), so spawn cannot import "
             "it; move it into a .py module and import it, or restart the kernel and launch before using CUDA"
         )
-    if requested == "fork" and cuda_ready:
+    if requested == "fork" and cuda_live:
         raise ValueError(
-            "cannot fork ranks after CUDA is initialised in this process: use start_method='spawn' "
-            "with an importable function, or restart the kernel and launch before using CUDA"
+            "cannot fork ranks after CUDA is initialised in this process (even torch.cuda.is_available() "
+            "does it): use start_method='spawn' with an importable function, or restart the kernel and "
+            "launch before using CUDA"
         )
     if requested != "fork" and not importable:
         raise ValueError(
@@ -168,6 +194,13 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _import_what_ranks_need() -> None:
+    """Import once here what every training rank imports lazily (about 1 s each), so forks inherit it."""
+    import torch._dynamo  # noqa: F401 - the first optimizer.step() / state_dict() imports it
+    import torch.distributed.checkpoint.state_dict  # noqa: F401
+    import torch.distributed.device_mesh  # noqa: F401
+
+
 @contextlib.contextmanager
 def _patched_env(values: dict[str, str]):
     """Set environment variables for a block and put back exactly what was there before."""
@@ -183,28 +216,79 @@ def _patched_env(values: dict[str, str]):
                 os.environ[key] = old
 
 
-def _run_as_external_rank(fn, args, kwargs, backend, timeout) -> list[Any]:
-    """Under torchrun: we already are a rank. Run fn here and share every rank's result."""
-    ctx = runtime.RankContext.from_env(backend)
-    runtime.init_process_group(ctx, timeout)
+def _make_run_dir(log_dir: str | None) -> str:
+    """The folder for this launch's logs and results; a given ``log_dir`` keeps everything but our old files."""
+    if log_dir is None:
+        _prune_failed_logs()
+        run_dir = tempfile.mkdtemp(prefix=LOG_PREFIX)
+        write_atomic(os.path.join(run_dir, "launcher.json"), json.dumps({"pid": os.getpid()}).encode())
+        return run_dir
+    run_dir = os.path.abspath(log_dir)
+    os.makedirs(run_dir, exist_ok=True)
+    for name in os.listdir(run_dir):  # a reused folder must not hand back an old result
+        if _OWN_FILE.match(name):
+            os.remove(os.path.join(run_dir, name))
+    return run_dir
+
+
+def _prune_failed_logs(keep: int = KEEP_FAILED_LOGS) -> None:
+    """Keep the newest ``keep`` log folders of ended launches (failed, or whose launcher died); drop the rest."""
+    root = tempfile.gettempdir()
+    ended = []
+    for name in os.listdir(root):
+        path = os.path.join(root, name)
+        if not name.startswith(LOG_PREFIX) or not os.path.isdir(path):
+            continue
+        if os.path.exists(os.path.join(path, "FAILED")) or not _launcher_alive(path):
+            with contextlib.suppress(OSError):
+                ended.append((os.path.getmtime(path), path))
+    for _, path in sorted(ended, reverse=True)[keep:]:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _launcher_alive(run_dir: str) -> bool:
     try:
-        result = _to_cpu(fn(ctx, *args, **kwargs))
+        with open(os.path.join(run_dir, "launcher.json")) as handle:
+            os.kill(int(json.load(handle)["pid"]), 0)
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return True
+
+
+def _run_as_external_rank(fn, args, kwargs, world_size, backend, timeout) -> list[Any]:
+    """Under torchrun: we already are a rank. Run fn here and share every rank's result."""
+    env_world = int(os.environ["WORLD_SIZE"])
+    in_kernel = "ipykernel" in sys.modules and "TORCHELASTIC_RUN_ID" not in os.environ
+    if (world_size is not None and world_size != env_world) or in_kernel:
+        raise ValueError(
+            f"this process's environment already says it is rank {os.environ['RANK']} of {env_world} "
+            f"(RANK/WORLD_SIZE are set, as torchrun sets them), so launch() would run here as that rank "
+            f"instead of starting {world_size or 2} ranks: remove them first "
+            "(for k in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'MASTER_ADDR', 'MASTER_PORT'): os.environ.pop(k, None))"
+        )
+    created = not dist.is_initialized()
+    ctx = runtime.init_process_group(runtime.RankContext.from_env(backend), timeout)
+    try:
+        result = pickle.loads(dumps_cpu(fn(ctx, *args, **kwargs)))
         gathered: list[Any] = [None] * ctx.world_size
         dist.all_gather_object(gathered, result)
         return gathered
     finally:
-        runtime.destroy_process_group()
+        if created:
+            runtime.destroy_process_group()
 
 
 # ----------------------------------------------------------------------------- inside a rank
 
 def _rank_main(fn, args, kwargs, rank: int, spec: dict) -> None:
-    """Entry point of one rank process."""
+    """Entry point of one rank process. It always ends in ``os._exit``: no teardown, no atexit hooks."""
     run_dir = spec["run_dir"]
-    _die_with_parent()
+    runtime.die_with_parent()
     _redirect_output(os.path.join(run_dir, f"rank{rank}.log"))
     signal.signal(signal.SIGINT, signal.default_int_handler)  # a forked rank inherits the kernel's
-    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)  # stack dump on demand
+    faulthandler.enable(file=sys.stderr, all_threads=True)  # a crash dumps its stack into this rank's log
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)  # and so does SIGUSR1, on demand
+    warnings.filterwarnings("ignore", message=FORK_WARNING, category=DeprecationWarning)  # DataLoader workers
     world_size = spec["world_size"]
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
@@ -212,27 +296,25 @@ def _rank_main(fn, args, kwargs, rank: int, spec: dict) -> None:
     try:
         ctx = runtime.RankContext(rank, rank, world_size, world_size, spec["backend"],
                                   runtime.device_for(spec["backend"], rank))
-        runtime.init_process_group(ctx, spec["timeout"])
-        result = _to_cpu(fn(ctx, *args, **kwargs))
-        _write_atomic(os.path.join(run_dir, f"rank{rank}.result"), pickle.dumps(result))
-        runtime.destroy_process_group()
+        ctx = runtime.init_process_group(ctx, spec["timeout"], forked=spec["forked"])
+        payload = dumps_cpu(fn(ctx, *args, **kwargs))
+        if dist.is_initialized():
+            dist.barrier()  # nobody exits while a peer may still be talking to it
+        write_atomic(os.path.join(run_dir, f"rank{rank}.result"), payload)
     except BaseException as exc:  # noqa: BLE001 - SystemExit and KeyboardInterrupt are failures too
         record = {"type": type(exc).__name__, "message": str(exc), "time": time.time(),
-                  "traceback": traceback.format_exc()}
-        _write_atomic(os.path.join(run_dir, f"rank{rank}.error.json"), json.dumps(record).encode())
+                  "traceback": traceback.format_exc(), "in_collective": raised_in_collective(exc),
+                  "user_error": isinstance(exc, UserError)}
+        write_atomic(os.path.join(run_dir, f"rank{rank}.error.json"), json.dumps(record).encode())
         sys.stderr.write(record["traceback"])
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)  # skip atexit hooks inherited from the parent (a notebook kernel's, say)
+        _flush_and_exit(1)
+    _flush_and_exit(0)
+
+
+def _flush_and_exit(code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
-
-
-def _die_with_parent() -> None:
-    """Ask Linux to SIGKILL this rank if the launching process dies (no orphans after a kernel crash)."""
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError):
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    os._exit(code)  # skip the teardown: C++ destructors of live process groups, inherited atexit hooks
 
 
 def _redirect_output(path: str) -> None:
@@ -247,141 +329,32 @@ def _redirect_output(path: str) -> None:
                                   line_buffering=True, write_through=True)
 
 
-def _to_cpu(value: Any) -> Any:
-    """Detached CPU copies of every tensor in a nested result: nothing shared with a dying process."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=True)
-    if isinstance(value, dict):
-        return type(value)((k, _to_cpu(v)) for k, v in value.items())
-    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
-        return type(value)(_to_cpu(v) for v in value)
+class _CPUPickler(pickle.Pickler):
+    """Pickles tensors as detached CPU copies wherever they sit: in a defaultdict, a namedtuple, a
+    dataclass or any object. A CUDA tensor unpickled in the parent would initialise CUDA there (and
+    every later fork would be refused); a tensor that requires grad cannot be pickled at all."""
+
+    def reducer_override(self, obj):
+        if isinstance(obj, torch.Tensor) and (obj.device.type != "cpu" or obj.requires_grad):
+            return _same, (obj.detach().to("cpu", copy=True),)
+        return NotImplemented
+
+
+def _same(value: Any) -> Any:
     return value
 
 
-def _write_atomic(path: str, data: bytes) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "wb") as handle:
-        handle.write(data)
-    os.replace(tmp, path)
+def dumps_cpu(value: Any) -> bytes:
+    """Pickle a rank's result with every tensor as a CPU copy (see :class:`_CPUPickler`)."""
+    buffer = io.BytesIO()
+    _CPUPickler(buffer).dump(value)
+    return buffer.getvalue()
 
 
 def _read_result(run_dir: str, rank: int) -> Any:
     # Written by our own child process a moment ago: trusted IPC, not a checkpoint from disk.
     with open(os.path.join(run_dir, f"rank{rank}.result"), "rb") as handle:
         return pickle.load(handle)
-
-
-# ----------------------------------------------------------------------------- the parent side
-
-class _Monitor:
-    """Polls the ranks: relays their output, records how each ended, and runs the watchdog."""
-
-    def __init__(self, world_size: int, run_dir: str, output: str, timeout: float,
-                 deadline: float | None) -> None:
-        self.world_size, self.run_dir, self.output = world_size, run_dir, output
-        self.timeout, self.deadline = timeout, deadline
-        self.logs: dict[int, Any] = {}
-        self.partial: dict[int, bytes] = {}
-
-    def watch(self, procs: list[Any]) -> list[RankFailure]:
-        start = time.monotonic()
-        finished: dict[int, float] = {}  # rank -> when it returned cleanly
-        failures: dict[int, RankFailure] = {}
-        first_failure_at = None
-        while True:
-            self.relay()
-            now = time.monotonic()
-            for rank, proc in enumerate(procs):
-                if rank in finished or rank in failures or proc.exitcode is None:
-                    continue
-                failure = self._ended(rank, proc.exitcode)
-                if failure is None:
-                    finished[rank] = now
-                else:
-                    failures[rank] = failure
-                    first_failure_at = first_failure_at or now
-            alive = [r for r in range(len(procs)) if r not in finished and r not in failures]
-            if not alive:
-                break
-            verdict = None  # (kind, why) once we stop waiting for the ranks still alive
-            if first_failure_at is not None and now - first_failure_at > KNOCK_ON_WINDOW_S:
-                if all(f.is_knock_on for f in failures.values()):
-                    verdict = ("stalled", "the other ranks timed out or lost their peers waiting for it")
-                else:
-                    verdict = ("stopped", "stopped by the launcher after another rank failed")
-            elif finished and now - min(finished.values()) > self.timeout + KNOCK_ON_WINDOW_S:
-                verdict = ("stalled", f"still running {self.timeout:g}s after rank "
-                                      f"{min(finished, key=finished.get)} finished")
-            elif self.deadline is not None and now - start > self.deadline:
-                verdict = ("stalled", f"still running at the launch deadline ({self.deadline:g}s)")
-            if verdict:
-                for rank in alive:
-                    failures[rank] = self._give_up_on(rank, procs[rank], *verdict)
-                break
-            time.sleep(POLL_S)
-        self.relay()
-        return list(failures.values())
-
-    def _ended(self, rank: int, exitcode: int) -> RankFailure | None:
-        """None if the rank returned cleanly, else what went wrong."""
-        error_path = os.path.join(self.run_dir, f"rank{rank}.error.json")
-        if os.path.exists(error_path):
-            with open(error_path) as handle:
-                rec = json.load(handle)
-            return RankFailure(rank, "raised", rec["type"], rec["message"], rec["traceback"], rec["time"])
-        if exitcode == 0 and os.path.exists(os.path.join(self.run_dir, f"rank{rank}.result")):
-            return None
-        return exit_failure(rank, exitcode, time.time())
-
-    def _give_up_on(self, rank: int, proc: Any, kind: str, why: str) -> RankFailure:
-        """Stop a rank that is still running; for a stalled one, capture where it is stuck."""
-        stack = ""
-        if kind == "stalled" and proc.pid is not None:
-            mark = self._log_size(rank)
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(proc.pid, signal.SIGUSR1)  # faulthandler writes its stack to the log
-            time.sleep(0.3)
-            stack = self._log_tail(rank, mark)
-        return RankFailure(rank, kind, kind, why, stack, time.time())
-
-    def _log_size(self, rank: int) -> int:
-        with contextlib.suppress(OSError):
-            return os.path.getsize(os.path.join(self.run_dir, f"rank{rank}.log"))
-        return 0
-
-    def _log_tail(self, rank: int, offset: int) -> str:
-        with contextlib.suppress(OSError), open(os.path.join(self.run_dir, f"rank{rank}.log"), "rb") as f:
-            f.seek(offset)
-            return f.read().decode(errors="replace")
-        return ""
-
-    def relay(self) -> None:
-        """Copy complete new lines of each rank's log to our stdout as ``[rank N] line``."""
-        for rank in range(self.world_size):
-            handle = self.logs.get(rank)
-            if handle is None:
-                path = os.path.join(self.run_dir, f"rank{rank}.log")
-                if not os.path.exists(path):
-                    continue
-                handle = self.logs[rank] = open(path, "rb")  # noqa: SIM115 - closed in close()
-            chunk = handle.read()
-            if not chunk:
-                continue
-            data = self.partial.get(rank, b"") + chunk
-            *lines, self.partial[rank] = data.split(b"\n")
-            if self.output == "all" or (self.output == "rank0" and rank == 0):
-                for line in lines:
-                    sys.stdout.write(f"[rank {rank}] {line.decode(errors='replace')}\n")
-                sys.stdout.flush()
-
-    def close(self) -> None:
-        self.relay()
-        for rank, rest in self.partial.items():
-            if rest and (self.output == "all" or (self.output == "rank0" and rank == 0)):
-                sys.stdout.write(f"[rank {rank}] {rest.decode(errors='replace')}\n")
-        for handle in self.logs.values():
-            handle.close()
-        self.logs.clear()
 
 
 def _stop(procs: list[Any]) -> None:

@@ -38,28 +38,46 @@ class CommTimer:
     and ``seconds``: the length of the union of [launch, completion] intervals of all buckets, i.e.
     the wall time during which at least one all-reduce was in flight (buckets overlap each other and
     backward, so summing them would double-count).
+
+    How completion is observed depends on the backend. gloo completes a bucket's future when the
+    all-reduce has finished, so a host clock read in a ``then`` callback is right. NCCL completes it as
+    soon as the work is *queued* on the GPU, so a host clock would read about zero: there, CUDA events
+    are recorded on the stream instead (the callback runs with its stream waiting for the all-reduce)
+    and read when :attr:`seconds` is asked for.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device | None = None) -> None:
+        self.cuda = device is not None and device.type == "cuda"
         self._lock = threading.Lock()  # completions arrive on the backend's threads
         self.reset()
 
     def reset(self) -> None:
         with self._lock:
             self.calls, self.bytes, self._intervals = 0, 0, []
+            if self.cuda:
+                self._origin = torch.cuda.Event(enable_timing=True)
+                self._origin.record()
 
     def register(self, ddp_model: torch.nn.parallel.DistributedDataParallel) -> "CommTimer":
         ddp_model.register_comm_hook(None, self._hook)
         return self
 
+    def _now(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
     def _hook(self, process_group, bucket):  # no annotations: DDP checks them literally
-        started = time.perf_counter()
+        started = self._now()
         nbytes = bucket.buffer().numel() * bucket.buffer().element_size()
         fut = default_hooks.allreduce_hook(process_group, bucket)
 
         def done(f: torch.futures.Future) -> torch.Tensor:
+            ended = self._now()
             with self._lock:
-                self._intervals.append((started, time.perf_counter()))
+                self._intervals.append((started, ended))
             return f.value()
 
         with self._lock:
@@ -70,9 +88,13 @@ class CommTimer:
     @property
     def seconds(self) -> float:
         with self._lock:
-            intervals = sorted(self._intervals)
+            intervals = list(self._intervals)
+        if self.cuda:  # event pairs -> seconds after the origin recorded at reset()
+            for _, end in intervals:
+                end.synchronize()
+            intervals = [(self._origin.elapsed_time(a) / 1e3, self._origin.elapsed_time(b) / 1e3) for a, b in intervals]
         total, end = 0.0, -math.inf
-        for lo, hi in intervals:
+        for lo, hi in sorted(intervals):
             if hi > end:
                 total += hi - max(lo, end)
                 end = hi
@@ -131,28 +153,41 @@ def reduce_across_ranks(ctx: RankContext, values: dict[str, float]) -> dict[str,
     local = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=ctx.device)
     total, peak = local.clone(), local.clone()
     if ctx.is_distributed:
-        dist.all_reduce(total, op=dist.ReduceOp.SUM)
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=ctx.world_group)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=ctx.world_group)
     return {k: {"mean": float(total[i]) / ctx.world_size, "max": float(peak[i])} for i, k in enumerate(keys)}
 
 
 def state_sha256(state_dict: dict[str, torch.Tensor]) -> str:
-    """sha256 over the bytes of every tensor, in sorted key order: equal iff bitwise equal."""
+    """sha256 over the bytes of every tensor, in sorted key order: equal iff bitwise equal.
+
+    A sharded tensor (a DTensor, from FSDP or tensor parallelism) is hashed as the full tensor it
+    represents, so the hash does not depend on how the state is split; gathering it is collective,
+    so every rank calls this then.
+    """
     digest = hashlib.sha256()
     for key in sorted(state_dict):
-        tensor = state_dict[key].detach().to("cpu").contiguous().reshape(-1)  # 0-d tensors cannot be viewed as bytes
+        tensor = state_dict[key]
+        if hasattr(tensor, "full_tensor"):
+            tensor = tensor.full_tensor()
+        tensor = tensor.detach().to("cpu").contiguous().reshape(-1)  # 0-d tensors cannot be viewed as bytes
         digest.update(key.encode())
         digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
     return digest.hexdigest()
 
 
-def optimizer_sha256(optimizer: torch.optim.Optimizer) -> str:
-    """sha256 of an optimizer's whole state (every moment and step counter, and the param groups)."""
-    state = optimizer.state_dict()
+def optimizer_sha256(optimizer: torch.optim.Optimizer | dict) -> str:
+    """sha256 of an optimizer's whole state (every moment and step counter, and the param groups).
+
+    Takes an optimizer (its ``state_dict()``, keyed by parameter index) or a state dict, such as the
+    one ``torch.distributed.checkpoint.state_dict`` returns (keyed by parameter name).
+    """
+    state = optimizer if isinstance(optimizer, dict) else optimizer.state_dict()
     flat = {}
-    for index, entry in state["state"].items():
+    for key, entry in state["state"].items():
+        label = f"{key:06d}" if isinstance(key, int) else key
         for name, value in entry.items():
-            flat[f"state.{index:06d}.{name}"] = value if torch.is_tensor(value) else torch.tensor(value)
+            flat[f"state.{label}.{name}"] = value if torch.is_tensor(value) else torch.tensor(value)
     groups = json.dumps(state["param_groups"], sort_keys=True).encode()
     flat["param_groups"] = torch.frombuffer(bytearray(groups), dtype=torch.uint8)
     return state_sha256(flat)

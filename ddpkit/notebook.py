@@ -13,6 +13,8 @@ import sys
 
 import torch
 
+from ddpkit.runtime import gpu_count
+
 RESULT_MIME = "application/vnd.ddpkit.result+json"
 
 
@@ -24,10 +26,12 @@ def pick_runtime(requested_world_size: int = 2) -> dict:
     """CPU count, GPU count, and a world size + backend that can run here.
 
     NCCL needs one GPU per rank, and Colab gives at most one: so NCCL only when there are at least
-    ``requested_world_size`` GPUs; otherwise that many gloo ranks on the CPU.
+    ``requested_world_size`` GPUs; otherwise that many gloo ranks on the CPU. Never calls
+    ``torch.cuda.is_available()``, which would initialise CUDA in the notebook's kernel and rule out
+    forking ranks from it.
     """
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpus = gpu_count()  # counted without initialising CUDA here, so ranks can still be forked
     backend = "nccl" if gpus >= requested_world_size else "gloo"
     return {"cpus": cpus, "gpus": gpus, "world_size": requested_world_size, "backend": backend,
             "torch": str(torch.__version__), "colab": in_colab()}

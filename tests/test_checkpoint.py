@@ -1,33 +1,36 @@
+"""The storage protocol: atomic, verified, safely pruned, and read as data only."""
+
 import json
 import os
-import random
 import warnings
 
-import numpy as np
 import pytest
 import torch
 
 from ddpkit import checkpoint
 from ddpkit.checkpoint import CheckpointError, CheckpointWarning
-from ddpkit.config import TrainConfig
 
 
-def state(value: float) -> dict:
+def tiny_state(value: float) -> dict:
     return {"model": {"w": torch.full((4, 4), value)}, "train": {"step": int(value)}}
+
+
+def names(root) -> list[str]:
+    return [p.name for p in checkpoint.list_checkpoints(root)]
 
 
 def test_save_verify_and_keep_last(tmp_path):
     for step in (1, 2, 3, 4):
-        checkpoint.save(tmp_path, step, state(step), keep_last=2)
-    assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == ["step-00000004", "step-00000003"]
+        checkpoint.save(tmp_path, step, tiny_state(step), keep_last=2)
+    assert names(tmp_path) == ["step-00000004", "step-00000003"]
     assert checkpoint.verify(tmp_path / "step-00000004") is None
     assert checkpoint.load(checkpoint.latest_good(tmp_path))["train"]["step"] == 4
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip", "no-manifest"])
 def test_a_damaged_newest_checkpoint_is_skipped(tmp_path, damage):
-    checkpoint.save(tmp_path, 1, state(1))
-    newest = checkpoint.save(tmp_path, 2, state(2))
+    checkpoint.save(tmp_path, 1, tiny_state(1))
+    newest = checkpoint.save(tmp_path, 2, tiny_state(2))
     data = (newest / "state.pt").read_bytes()
     if damage == "truncate":
         (newest / "state.pt").write_bytes(data[: len(data) // 2])
@@ -43,23 +46,28 @@ def test_a_damaged_newest_checkpoint_is_skipped(tmp_path, damage):
 
 
 def test_a_crash_during_save_leaves_the_last_good_checkpoint(tmp_path, monkeypatch):
-    checkpoint.save(tmp_path, 1, state(1))
-    real_save = torch.save
+    checkpoint.save(tmp_path, 1, tiny_state(1))
 
     def dies_halfway(obj, handle):
-        real_save(obj, handle)
-        handle.truncate(100)
+        handle.write(b"the first hundred bytes of a checkpoint".ljust(100))
         raise OSError("disk full")
 
     monkeypatch.setattr(torch, "save", dies_halfway)
     with pytest.raises(OSError):
-        checkpoint.save(tmp_path, 2, state(2))
+        checkpoint.save(tmp_path, 2, tiny_state(2))
     monkeypatch.undo()
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the torn write is not even a candidate
         assert checkpoint.latest_good(tmp_path).name == "step-00000001"
-    checkpoint.save(tmp_path, 3, state(3))  # and the next save cleans up the leftovers
+    checkpoint.save(tmp_path, 3, tiny_state(3))  # and the next save cleans up the leftovers
     assert not list(tmp_path.glob(".tmp-*"))
+
+
+def test_the_manifest_is_hashed_while_writing_and_matches_the_file(tmp_path):
+    path = checkpoint.save(tmp_path, 7, tiny_state(7))
+    info = json.loads((path / "manifest.json").read_text())["files"]["state.pt"]
+    assert info["bytes"] == (path / "state.pt").stat().st_size
+    assert info["sha256"] == checkpoint.file_sha256(path / "state.pt")
 
 
 class Exploit:
@@ -77,34 +85,103 @@ def test_a_malicious_pickle_is_refused_without_running_it(tmp_path, monkeypatch)
     assert not marker.exists()
 
 
-def test_rng_states_round_trip_as_plain_data(tmp_path):
-    random.seed(1), np.random.seed(2), torch.manual_seed(3)
-    path = checkpoint.save(tmp_path, 1, {"rng": [checkpoint.rng_state()]})
-    expected = (random.random(), np.random.rand(), torch.rand(3))
-    random.seed(9), np.random.seed(9), torch.manual_seed(9)
-    checkpoint.set_rng_state(checkpoint.load(path)["rng"][0])  # loaded with weights_only=True
-    got = (random.random(), np.random.rand(), torch.rand(3))
-    assert got[:2] == expected[:2] and torch.equal(got[2], expected[2])
-
-
-def meta_for(cfg: TrainConfig) -> dict:
-    return {"config_digest": cfg.digest(), "semantics": cfg.semantics(), "world_size": cfg.world_size,
-            "global_batch_size": cfg.global_batch_size, "micro_batch_size": cfg.micro_batch_size,
-            "grad_accum": cfg.grad_accum}
-
-
-def test_resume_that_changes_training_is_refused_with_the_fix():
-    saved = TrainConfig(world_size=2, micro_batch_size=8)
-    checkpoint.check_compatible(meta_for(saved), saved.replace(world_size=1, micro_batch_size=16, steps=99))
-    with pytest.raises(CheckpointError, match="keep micro x accum x world = 16"):
-        checkpoint.check_compatible(meta_for(saved), saved.replace(world_size=1))
-    with pytest.raises(CheckpointError, match=r"lr: 0\.003 -> 0\.1"):
-        checkpoint.check_compatible(meta_for(saved), saved.replace(lr=0.1))
-
-
-def test_manifest_lists_sha256_and_size(tmp_path):
-    path = checkpoint.save(tmp_path, 7, state(7))
+def reseal(path, data: bytes | None = None, **manifest_changes):
+    """Rewrite a checkpoint's state.pt and/or manifest, with a manifest that matches the new bytes."""
+    if data is not None:
+        (path / "state.pt").write_bytes(data)
     manifest = json.loads((path / "manifest.json").read_text())
-    info = manifest["files"]["state.pt"]
-    assert info["bytes"] == (path / "state.pt").stat().st_size
-    assert info["sha256"] == checkpoint.file_sha256(path / "state.pt")
+    manifest["files"]["state.pt"] = {"sha256": checkpoint.file_sha256(path / "state.pt"),
+                                     "bytes": (path / "state.pt").stat().st_size}
+    manifest.update(manifest_changes)
+    (path / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_random_bytes_with_a_valid_manifest_are_reported_as_unreadable_not_as_code(tmp_path):
+    path = checkpoint.save(tmp_path, 3, tiny_state(3))
+    reseal(path, os.urandom(4096))
+    with pytest.raises(CheckpointError, match="is not a readable torch file") as info:
+        checkpoint.load(path)
+    assert "not code" not in str(info.value)
+
+
+MALFORMED = {  # manifest text -> the reason verify gives
+    "a JSON list": ("[1, 2, 3]", "not an object"),
+    "an empty object": ("{}", "format"),
+    "no files": ('{"format": 2, "writer": "full", "step": 4, "files": {}}', "lists no files"),
+    "entry without bytes": ('{"format": 2, "writer": "full", "step": 4, "files": {"state.pt": {"sha256": "%s"}}}' % ("0" * 64),
+                            "byte count"),
+    "state.pt not listed": ('{"format": 2, "writer": "full", "step": 4, "files": {"x.bin": {"sha256": "%s", "bytes": 1}}}' % ("0" * 64),
+                            "does not list state.pt"),
+    "a path, not a name": ('{"format": 2, "writer": "full", "step": 4, "files": {"state.pt": {"sha256": "%s", "bytes": 1},'
+                           ' "../x": {"sha256": "%s", "bytes": 1}}}' % ("0" * 64, "0" * 64), "not a plain name"),
+    "another step": ('{"format": 2, "writer": "full", "step": 5, "files": {"state.pt": {"sha256": "%s", "bytes": 1}}}' % ("0" * 64),
+                     "manifest says step 5"),
+    "not JSON": ("{format", "unreadable manifest"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED))
+def test_a_malformed_manifest_is_skipped_as_broken_not_a_crash(tmp_path, case):
+    checkpoint.save(tmp_path, 2, tiny_state(2))
+    bad = checkpoint.save(tmp_path, 4, tiny_state(4))
+    text, reason = MALFORMED[case]
+    (bad / "manifest.json").write_text(text)
+    assert reason in checkpoint.verify(bad)
+    with pytest.warns(CheckpointWarning, match="skipping checkpoint step-00000004"):
+        assert checkpoint.latest_good(tmp_path).name == "step-00000002"
+    with pytest.raises(CheckpointError, match="does not verify"):
+        checkpoint.load(bad)
+
+
+def test_pruning_never_removes_the_step_just_written(tmp_path):
+    """A folder that holds newer steps (an earlier, longer run): saving step 10 must keep step 10."""
+    for step in (20, 30, 40):
+        checkpoint.save(tmp_path, step, tiny_state(step), keep_last=3)
+    path = checkpoint.save(tmp_path, 10, tiny_state(10), keep_last=3)
+    assert path.exists() and checkpoint.load(path)["train"]["step"] == 10
+    assert names(tmp_path) == ["step-00000040", "step-00000030", "step-00000010"]
+
+
+def test_broken_folders_do_not_count_among_the_kept_ones(tmp_path):
+    for step in (1, 2, 3):
+        checkpoint.save(tmp_path, step, tiny_state(step), keep_last=5)
+    (tmp_path / "step-00000003" / "manifest.json").unlink()  # torn
+    (tmp_path / "step-00000002" / "state.pt").write_bytes(b"short")  # truncated
+    checkpoint.save(tmp_path, 4, tiny_state(4), keep_last=2)
+    assert names(tmp_path) == ["step-00000004", "step-00000001"]  # two good ones; the broken are gone
+
+
+def test_a_crash_between_the_two_renames_of_a_re_save_is_recovered(tmp_path, monkeypatch):
+    checkpoint.save(tmp_path, 5, tiny_state(5))
+    real_rename, calls = os.rename, []
+
+    def crash_on_second_rename(src, dst):
+        calls.append(dst)
+        if len(calls) == 2:
+            raise OSError("power cut")
+        real_rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", crash_on_second_rename)
+    with pytest.raises(OSError, match="power cut"):
+        checkpoint.save(tmp_path, 5, tiny_state(5.5))
+    monkeypatch.undo()
+    assert names(tmp_path) == [] and list(tmp_path.glob(".old-step-00000005-*"))  # only the moved-aside copy is left
+    assert checkpoint.latest_good(tmp_path).name == "step-00000005"  # recovered, not lost
+    checkpoint.save(tmp_path, 6, tiny_state(6))  # and pruning keeps it
+    assert names(tmp_path) == ["step-00000006", "step-00000005"]
+    assert checkpoint.load(tmp_path / "step-00000005")["train"]["step"] == 5
+
+
+def test_steps_beyond_eight_digits_are_listed_and_sorted(tmp_path):
+    for step in (99_999_999, 100_000_000, 123_456_789_012):
+        checkpoint.save(tmp_path, step, tiny_state(1), keep_last=5)
+    assert [checkpoint.step_of(p) for p in checkpoint.list_checkpoints(tmp_path)] == [123_456_789_012, 100_000_000, 99_999_999]
+    assert checkpoint.latest_good(tmp_path).name == "step-123456789012"
+
+
+def test_clear_deletes_checkpoints_and_leftovers_only(tmp_path):
+    checkpoint.save(tmp_path, 1, tiny_state(1))
+    (tmp_path / ".tmp-step-00000002-1").mkdir()
+    (tmp_path / "notes.txt").write_text("mine")
+    assert checkpoint.clear(tmp_path) == ["step-00000001"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]

@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -20,6 +21,15 @@ from ddpkit.launch import free_port
     (["--resume"], "--resume needs --checkpoint-dir"),
     (["--max-restarts", "1"], "--max-restarts needs --checkpoint-dir"),
     (["--lr", "fast"], "invalid float value"),
+    (["--lr", "inf"], "lr must be a finite number"),
+    (["--timeout", "inf"], "timeout must be a finite number"),
+    (["--timeout", "1e30"], "timeout must be in (0, 86400]"),
+    (["--seed", "18446744073709551615"], "seed must be in 0 .. 4294967295"),
+    (["--dataset-size", "1000000000000"], "lower --dataset-size"),
+    (["--checkpoint-every", "1"], "--checkpoint-every needs --checkpoint-dir"),
+    (["--world-size", "100"], "world-size must be at most 64"),
+    (["--num-workers", "1000"], "num-workers must be <= 32"),
+    (["--slow-step-s", "-1"], "slow-step-s must be in [0, 60]"),
 ])
 def test_bad_input_is_one_line_and_no_traceback(args, message):
     proc = run_cli("train", *args, timeout=30)
@@ -96,3 +106,87 @@ def test_torchrun_restarts_a_killed_rank_and_ends_the_same(tmp_path, summary):
         restarted = json.loads(out_json.read_text())
         assert restarted["restarts"] == 1 and restarted["resumed_from_step"] == 5
         assert restarted["param_sha256"] == clean["param_sha256"]
+
+
+def test_paths_that_cannot_work_are_refused_before_training(tmp_path):
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    for args, message in ((["--summary-json", str(tmp_path)], "is a folder: give a file name"),
+                          (["--checkpoint-dir", str(a_file)], "is a file, not a folder")):
+        proc = run_cli("train", *args, timeout=30)
+        assert proc.returncode == 2 and message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+        assert "[rank" not in proc.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]  # no .tmp left behind
+
+
+def test_a_fresh_run_refuses_a_folder_of_checkpoints_or_starts_clean_when_asked(tmp_path, summary):
+    ck = str(tmp_path / "ck")
+    summary("first", "--steps", "12", "--checkpoint-dir", ck, "--checkpoint-every", "4")
+    proc = run_cli("train", "--steps", "6", "--checkpoint-dir", ck, "--checkpoint-every", "2", timeout=60)
+    assert proc.returncode == 2 and "[rank" not in proc.stdout
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and "--resume" in proc.stderr
+    assert "already holds checkpoints (step-00000012" in proc.stderr and "--overwrite-checkpoints" in proc.stderr
+    clean = summary("clean", "--steps", "6")
+    again = summary("again", "--steps", "6", "--checkpoint-dir", ck, "--checkpoint-every", "2", "--overwrite-checkpoints")
+    assert again["param_sha256"] == clean["param_sha256"] and again["resumed_from_step"] == 0
+    assert [p.name for p in sorted((tmp_path / "ck").iterdir())] == ["step-00000002", "step-00000004", "step-00000006"]
+
+
+def test_a_resume_that_would_change_training_is_one_line_before_any_rank_starts(tmp_path, summary):
+    ck = str(tmp_path / "ck")
+    summary("first", "--steps", "4", "--checkpoint-dir", ck)
+    proc = run_cli("train", "--steps", "8", "--checkpoint-dir", ck, "--resume", "--lr", "0.01", timeout=60)
+    assert proc.returncode == 2 and "[rank" not in proc.stdout
+    assert proc.stderr.strip() == "ddpkit: error: resuming would change training (lr: 0.003 -> 0.01): use the " \
+                                  "checkpoint's values or start a new --checkpoint-dir"
+
+
+def test_an_error_only_the_ranks_can_see_is_still_one_line(tmp_path, summary):
+    """A checkpoint whose weights were swapped (valid manifest, same config): found by the probe loss, inside the ranks."""
+    from ddpkit import checkpoint
+    from ddpkit.config import TrainConfig
+    from ddpkit.models import build_model
+
+    ck = tmp_path / "ck"
+    summary("first", "--steps", "4", "--checkpoint-dir", str(ck))
+    saved = checkpoint.load(ck / "step-00000004")
+    saved["model"] = build_model(TrainConfig(seed=99)).state_dict()
+    checkpoint.save(ck, 4, saved, meta=saved["meta"])
+    proc = run_cli("train", "--steps", "8", "--checkpoint-dir", str(ck), "--resume", "--max-restarts", "2", timeout=60)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and "attempt" not in proc.stderr  # not retried
+    assert proc.stderr.strip().startswith("ddpkit: error: loss is not continuous") and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_a_checkpoint_from_another_torch_version_warns_in_one_line(tmp_path, summary):
+    from ddpkit import checkpoint
+
+    ck = tmp_path / "ck"
+    straight = summary("straight", "--steps", "8")
+    summary("first", "--steps", "4", "--checkpoint-dir", str(ck))
+    saved = checkpoint.load(ck / "step-00000004")
+    saved["meta"]["torch_version"] = "2.4.1"
+    checkpoint.save(ck, 4, saved, meta=saved["meta"])
+    path = tmp_path / "resumed.json"
+    proc = run_cli("train", "--steps", "8", "--checkpoint-dir", str(ck), "--resume", "--summary-json", str(path))
+    assert proc.returncode == 0, proc.stderr
+    warned = [line for line in proc.stdout.splitlines() if "torch 2.4.1" in line]
+    assert len(warned) == 1 and "warning" in warned[0]
+    assert json.loads(path.read_text())["param_sha256"] == straight["param_sha256"]
+
+
+def test_a_hang_on_a_world_of_one_is_bounded(tmp_path):
+    started = time.monotonic()
+    proc = run_cli("train", "--world-size", "1", "--micro-batch-size", "16", "--steps", "6", "--fail-at-step", "2",
+                   "--fail-mode", "hang", "--timeout", "2", timeout=90)
+    elapsed = time.monotonic() - started
+    assert proc.returncode == 1 and "rank 0 stalled" in proc.stderr, proc.stderr[-2000:]
+    assert "injected" in proc.stderr or "_inject" in proc.stderr or "before_step" in proc.stderr  # its own stack
+    assert elapsed < 2 + 10 + 20, f"took {elapsed:.0f}s"
+
+
+def test_torchrun_restarts_without_a_checkpoint_dir_are_one_line_before_training(tmp_path):
+    proc = torchrun("--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "-m", "ddpkit", "train", "--steps", "4")
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    assert "ddpkit: error: torchrun --max-restarts needs --checkpoint-dir" in out
+    assert "ValueError" not in out and "ddpkit train:" not in out  # no rank's traceback, no training started

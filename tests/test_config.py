@@ -1,9 +1,10 @@
+import dataclasses
 import subprocess
 import sys
 
 import pytest
 
-from ddpkit.config import TrainConfig
+from ddpkit.config import TrainConfig, learned
 
 
 @pytest.mark.parametrize("changes, message", [
@@ -12,11 +13,28 @@ from ddpkit.config import TrainConfig
     (dict(micro_batch_size=4096), "larger than the dataset"),
     (dict(model="resnet"), "unknown model"),
     (dict(amp="fp8"), "unknown amp mode"),
-    (dict(lr=0.0), "lr must be > 0"),
+    (dict(lr=0.0), r"lr must be in \(0, 1\]"),
+    (dict(lr=float("inf")), "lr must be a finite number"),
+    (dict(lr=float("nan")), "lr must be a finite number"),
+    (dict(lr=5.0), r"lr must be in \(0, 1\]"),
+    (dict(timeout=float("inf")), "timeout must be a finite number"),
+    (dict(timeout=1e30), r"timeout must be in \(0, 86400\]"),
+    (dict(seed=2**63), "seed must be in 0 .. 4294967295"),
+    (dict(seed=-1), "seed must be in"),
+    (dict(dataset_size=10**12), "more than half of this machine's"),
+    (dict(hidden_width=10**6), "more than half of this machine's"),
+    (dict(checkpoint_every=1), "--checkpoint-every needs --checkpoint-dir"),
+    (dict(num_workers=1000), "num-workers must be <= 32"),
+    (dict(data_delay_s=-1.0), "data-delay-s must be in"),
+    (dict(steps="40"), "steps must be a whole number"),
+    (dict(world_size=4, tp=3), "not divisible by tp x pp"),
+    (dict(world_size=4, tp=2), "strategy ddp replicates the whole model"),
+    (dict(strategy="zero9"), "unknown strategy"),
+    (dict(checkpoint_dir="/x", resume=True, overwrite_checkpoints=True), "choose one"),
     (dict(n_heads=5), "must divide d-model"),
     (dict(resume=True), "--resume needs --checkpoint-dir"),
     (dict(fail_rank=2), "not a rank of a world of 2"),
-    (dict(timeout=0), "timeout must be > 0"),
+    (dict(timeout=0), r"timeout must be in \(0, 86400\]"),
 ])
 def test_bad_values_raise_a_clear_error(changes, message):
     with pytest.raises(ValueError, match=message):
@@ -49,3 +67,22 @@ def test_digest_is_stable_across_processes_where_hash_is_not():
                 "print(abs(hash(json.dumps(TrainConfig().to_dict(), sort_keys=True))))")
     assert _in_fresh_process(digest, "1") == _in_fresh_process(digest, "2") == TrainConfig().digest()
     assert _in_fresh_process(handbook, "1") != _in_fresh_process(handbook, "2")
+
+
+def test_every_field_says_whether_it_is_in_the_digest():
+    unmarked = [f.name for f in dataclasses.fields(TrainConfig) if "digest" not in f.metadata]
+    assert not unmarked, f"mark these fields learned(...) or runtime(...): {unmarked}"
+
+
+def test_a_training_field_declared_anywhere_is_in_the_digest():
+    """Digest membership is a property of the field, not of where it is declared."""
+    Extended = dataclasses.make_dataclass("Extended", [("dropout", float, learned(0.1))], bases=(TrainConfig,), frozen=True)
+    base = Extended()
+    assert "dropout" in base.semantics()
+    assert base.replace(dropout=0.2).digest() != base.digest()
+    assert base.replace(steps=99, world_size=1, micro_batch_size=16).digest() == base.digest()
+
+
+def test_the_global_batch_counts_data_parallel_ranks_only():
+    cfg = TrainConfig(world_size=4, micro_batch_size=8, grad_accum=2)
+    assert (cfg.dp, cfg.global_batch_size, cfg.dims.describe()) == (4, 64, "dp 4 x tp 1 x pp 1")

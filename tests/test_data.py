@@ -87,8 +87,16 @@ def test_datasets_are_deterministic_and_learnable_shaped():
     assert item["index"] == 3 and item["inputs"].shape == (16,) and torch.equal(item["inputs"][1:], item["targets"][:-1])
 
 
-def test_sampler_rejects_impossible_shapes():
-    with pytest.raises(ValueError, match="not a multiple"):
-        ResumableDistributedSampler(N, 3, 0, 16, 0)
-    with pytest.raises(ValueError, match="larger than the dataset"):
-        ResumableDistributedSampler(10, 2, 0, 16, 0)
+@pytest.mark.parametrize("args, message", [
+    ((N, 3, 0, 16, 0), "not a multiple"),
+    ((10, 2, 0, 16, 0), "larger than the dataset"),
+    ((10, 0, 0, 4, 0), "num_replicas must be a whole number >= 1"),
+    ((10, 2, 2, 4, 0), "rank 2 is not in a data-parallel world of 2"),
+    ((10, 2, -1, 4, 0), "rank -1 is not"),
+    ((0, 1, 0, 4, 0), "dataset_len must be"),
+    ((10, 1, 0, 0, 0), "global_batch_size must be"),
+    ((10, 1, 0, 4, 0, -4), "consumed_samples must be"),
+])
+def test_sampler_rejects_impossible_shapes(args, message):
+    with pytest.raises(ValueError, match=message):
+        ResumableDistributedSampler(*args)

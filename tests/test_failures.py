@@ -1,30 +1,69 @@
+"""Root cause vs knock-on: decided by what a rank was doing, not by the words of its message."""
+
 import signal
 
 import pytest
 
-from ddpkit.failures import LaunchError, RankFailure, exit_failure, pick_root_cause
+from ddpkit.failures import LaunchError, RankFailure, exit_failure, pick_root_cause, raised_in_collective
 
 PEER_GONE = "[pair.cc:537] Read error [127.0.0.1]:4242: Connection reset by peer"
 
 
+def raise_from(fn):
+    try:
+        fn()
+    except BaseException as exc:  # noqa: BLE001
+        return exc
+    raise AssertionError("did not raise")
+
+
+def user_code_times_out():
+    raise TimeoutError("reading shard 3 timed out")
+
+
+def test_an_error_in_the_ranks_own_code_is_a_cause_whatever_it_says():
+    exc = raise_from(user_code_times_out)
+    assert not raised_in_collective(exc)  # "timed out" in a user's message is not a collective timeout
+
+
 def test_root_cause_beats_an_earlier_knock_on():
-    knock_on = RankFailure(0, "raised", "RuntimeError", PEER_GONE, time=1.0)
-    cause = RankFailure(1, "raised", "ValueError", "bad batch", time=1.5)
-    assert knock_on.is_knock_on and not cause.is_knock_on
+    knock_on = RankFailure(0, "raised", "RuntimeError", PEER_GONE, time=1.0, knock_on=True)
+    cause = RankFailure(1, "raised", "TimeoutError", "reading shard 3 timed out", time=1.5)
     assert pick_root_cause([knock_on, cause]) is cause
 
 
 def test_a_rank_that_exited_is_the_cause_even_if_noticed_late():
-    knock_on = RankFailure(0, "raised", "RuntimeError", PEER_GONE, time=1.0)
+    knock_on = RankFailure(0, "raised", "RuntimeError", PEER_GONE, time=1.0, knock_on=True)
     exited = exit_failure(1, 3, when=2.0)
-    assert exited.exc_type == "exit code 3"
+    assert exited.exc_type == "exit code 3" and not exited.is_knock_on
     assert pick_root_cause([knock_on, exited]) is exited
 
 
 def test_when_everyone_timed_out_the_stalled_rank_is_the_cause():
-    timeout = RankFailure(0, "raised", "RuntimeError", "Timed out waiting 3000ms for recv", time=1.0)
+    timeout = RankFailure(0, "raised", "RuntimeError", "Timed out waiting 3000ms for recv", time=1.0, knock_on=True)
     stalled = RankFailure(1, "stalled", "stalled", "waited for", time=2.0)
     assert pick_root_cause([timeout, stalled]) is stalled
+
+
+WATCHDOG_LOG = """[rank1]:[E ProcessGroupNCCL.cpp:616] [Rank 1] Watchdog caught collective operation timeout: \
+WorkNCCL(SeqNum=7, OpType=ALLREDUCE, NumelIn=1, NumelOut=1, Timeout(ms)=3000) ran for 3001 milliseconds before timing out.
+terminate called after throwing an instance of 'c10::DistBackendError'
+"""
+
+
+def test_a_rank_aborted_by_nccls_watchdog_is_knock_on():
+    aborted = exit_failure(1, -signal.SIGABRT, 2.0, WATCHDOG_LOG)
+    assert aborted.kind == "killed" and aborted.is_knock_on and "watchdog" in aborted.message
+    stalled = RankFailure(0, "stalled", "stalled", "waited for", time=3.0)
+    assert pick_root_cause([aborted, stalled]) is stalled
+    plain_abort = exit_failure(1, -signal.SIGABRT, 2.0, "Assertion failed\n")
+    assert not plain_abort.is_knock_on  # an abort for another reason is a cause
+
+
+def test_a_stall_watchdog_dump_is_named_stalled():
+    log = "step 3\nTimeout (0:00:13)!\nThread 0x1 (most recent call first):\n  File \"x.py\", line 5 in hang\n"
+    failure = exit_failure(0, 1, 1.0, log)
+    assert failure.kind == "stalled" and "hang" in failure.traceback
 
 
 def test_signals_are_named():
@@ -33,13 +72,13 @@ def test_signals_are_named():
 
 def test_report_separates_cause_knock_on_and_stopped():
     error = LaunchError.from_failures([
-        RankFailure(0, "raised", "RuntimeError", PEER_GONE, time=1.0),
+        RankFailure(0, "raised", "RuntimeError", PEER_GONE, time=1.0, knock_on=True),
         RankFailure(1, "raised", "ValueError", "bad batch", "Traceback ...\nValueError: bad batch", 1.1),
         RankFailure(2, "stopped", "stopped", "stopped by the launcher", time=2.0),
     ], log_dir="/logs")
     text = str(error)
     assert text.splitlines()[0] == "rank 1 raised: ValueError: bad batch"
-    assert error.rank == 1
+    assert error.rank == 1 and not error.is_user_error
     cause_at, knock_at = text.index("ValueError: bad batch"), text.index("knock-on failures")
     assert cause_at < knock_at < text.index("rank 0 raised: RuntimeError")
     assert "stopped by the launcher: rank 2" in text and "/logs" in text

@@ -7,7 +7,14 @@ import sys
 import textwrap
 import time
 
+import collections
+import dataclasses
+import datetime
 import multiprocessing
+import tempfile
+import threading
+import warnings
+
 import nbformat
 import papermill
 import pytest
@@ -15,8 +22,10 @@ import torch
 import torch.distributed as dist
 
 import ddpkit
-
+from ddpkit import runtime
 from ddpkit.launch import launch, resolve_start_method
+
+launcher = sys.modules["ddpkit.launch"]  # the package exports the function under the module's name
 
 
 def rank_sum(ctx, offset):
@@ -146,6 +155,9 @@ def test_log_dir_keeps_per_rank_logs(tmp_path):
 @pytest.mark.parametrize("kwargs, message", [
     (dict(world_size=0), "world_size must be"),
     (dict(world_size="2"), "world_size must be"),
+    (dict(world_size=65), "world_size must be"),
+    (dict(world_size=2, timeout=float("inf")), "timeout must be"),
+    (dict(world_size=2, timeout=1e30), "timeout must be"),
     (dict(world_size=2, backend="nccl"), "--backend gloo"),
     (dict(world_size=2, output="loud"), "output must be"),
     (dict(world_size=2, start_method="spawn"), "cannot import it"),
@@ -160,7 +172,7 @@ def test_bad_requests_fail_before_spawning(kwargs, message):
 
 
 def test_fork_after_cuda_init_is_refused(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(runtime, "cuda_touched", lambda: True)
     with pytest.raises(ValueError, match="after CUDA is initialised"):
         launch(rank_sum, 0, world_size=2, start_method="fork")
     with pytest.raises(ValueError, match="defined in __main__"):
@@ -215,3 +227,169 @@ def test_notebook_cell_launches_its_own_function(tmp_path):
     text = "".join(o.get("text", "") for c in nbformat.read(out, as_version=4).cells
                    for o in c.get("outputs", []))
     assert "[rank 1] hello from rank 1, sum 3" in text
+
+
+def user_timeout_on_rank_one(ctx):
+    if ctx.rank == 1:
+        raise TimeoutError("reading shard 3 timed out")
+    time.sleep(3)  # healthy and busy: it has not reached the collective yet
+    dist.barrier()
+
+
+def test_a_users_timeout_error_is_the_cause_and_the_busy_peer_is_not_blamed():
+    with pytest.raises(ddpkit.LaunchError) as info:
+        launch(user_timeout_on_rank_one, world_size=2, output="none")
+    cause = info.value.root_cause
+    assert (cause.rank, cause.exc_type, cause.message) == (1, "TimeoutError", "reading shard 3 timed out")
+    assert [(f.rank, f.kind) for f in info.value.others] == [(0, "stopped")]
+
+
+WATCHDOG_LOG = ("[rank1]:[E ProcessGroupNCCL.cpp:616] [Rank 1] Watchdog caught collective operation timeout: "
+                "WorkNCCL(SeqNum=7, OpType=ALLREDUCE) ran for 2001 milliseconds before timing out.")
+
+
+def aborted_by_watchdog_while_rank0_hangs(ctx):
+    if ctx.rank == 0:
+        time.sleep(600)  # the real culprit: never reaches the collective
+    sys.stderr.write(WATCHDOG_LOG + "\n")  # what NCCL's watchdog writes before it aborts a waiting rank
+    sys.stderr.flush()
+    os.abort()
+
+
+def test_a_rank_sigabrted_after_a_collective_timeout_is_knock_on_and_the_hung_rank_is_named():
+    with pytest.raises(ddpkit.LaunchError) as info:
+        launch(aborted_by_watchdog_while_rank0_hangs, world_size=2, timeout=2, output="none")
+    cause = info.value.root_cause
+    assert (cause.rank, cause.kind) == (0, "stalled") and "aborted_by_watchdog" in cause.traceback
+    assert [(f.rank, f.exc_type, f.is_knock_on) for f in info.value.others] == [(1, "SIGABRT", True)]
+    assert not children()
+
+
+def test_a_given_log_dir_keeps_the_users_files(tmp_path):
+    mine = {"notes.log": "keep me", "rank0.txt": "and me", "train.log": "me too"}
+    for name, text in mine.items():
+        (tmp_path / name).write_text(text)
+    (tmp_path / "rank1.result").write_bytes(b"a stale result of ours")
+    launch(rank_sum, 0, world_size=2, output="none", log_dir=str(tmp_path))
+    for name, text in mine.items():
+        assert (tmp_path / name).read_text() == text
+    assert "rank 1 of 2 got 1" in (tmp_path / "rank1.log").read_text()
+
+
+def progress_bar(ctx):
+    for i in (1, 2, 3):
+        print(f"\rworking {i}/3", end="", flush=True)  # a progress bar: carriage returns, no newline
+        time.sleep(1.0)
+    return time.time()
+
+
+class TimedStdout:
+    def __init__(self):
+        self.chunks = []
+
+    def write(self, text):
+        self.chunks.append((time.time(), text))
+
+    def flush(self):
+        pass
+
+
+def test_progress_written_with_carriage_returns_is_relayed_while_the_rank_runs(monkeypatch):
+    out = TimedStdout()
+    monkeypatch.setattr(sys, "stdout", out)
+    finished_at = launch(progress_bar, world_size=1, output="all")[0]
+    first = next(t for t, text in out.chunks if "working 1/3" in text)
+    assert first < finished_at - 1.5, "the first update was shown only at the end"
+    assert any(text.endswith("\r") for _, text in out.chunks), "updates are redrawn in place"
+    assert "working 3/3" in "".join(text for _, text in out.chunks)
+
+
+Pair = collections.namedtuple("Pair", "left right")
+
+
+@dataclasses.dataclass
+class Box:
+    weights: torch.Tensor
+    note: str
+
+
+def odd_containers(ctx):
+    grads = collections.defaultdict(list)
+    grads["w"].append(torch.ones(2, requires_grad=True) * 2)  # a non-leaf that requires grad
+    return {"grads": grads, "pair": Pair(torch.zeros(1, requires_grad=True), [torch.arange(3)]),
+            "box": Box(torch.full((2,), float(ctx.rank)), "ok")}
+
+
+def test_results_in_any_container_come_back_as_plain_cpu_tensors():
+    result = launch(odd_containers, world_size=2, output="none")[1]
+    assert isinstance(result["grads"], collections.defaultdict) and result["grads"]["w"][0].tolist() == [2.0, 2.0]
+    assert isinstance(result["pair"], Pair) and torch.equal(result["pair"].right[0], torch.arange(3))
+    assert isinstance(result["box"], Box) and result["box"].weights.tolist() == [1.0, 1.0]
+    tensors = [result["grads"]["w"][0], result["pair"].left, result["box"].weights]
+    assert all(t.device.type == "cpu" and not t.requires_grad for t in tensors)
+
+
+def test_a_kernel_whose_environment_says_it_is_a_rank_is_refused(monkeypatch):
+    for key, value in dict(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500").items():
+        monkeypatch.setenv(key, value)
+    started = time.monotonic()
+    with pytest.raises(ValueError, match="already says it is rank 0 of 1.*os.environ.pop"):
+        launch(rank_sum, 0, world_size=2)
+    assert time.monotonic() - started < 1 and not children()
+
+
+def test_a_process_that_already_has_a_process_group_is_refused():
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore(),
+                            timeout=datetime.timedelta(seconds=5))
+    try:
+        with pytest.raises(ValueError, match="destroy_process_group"):
+            launch(rank_sum, 0, world_size=2)
+    finally:
+        dist.destroy_process_group()
+    assert not children()
+
+
+def fail_fast(ctx):
+    raise ValueError("on purpose")
+
+
+def test_failed_launches_keep_only_the_newest_log_folders(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    for i in range(launcher.KEEP_FAILED_LOGS + 5):
+        old = tmp_path / f"{launcher.LOG_PREFIX}old{i:02d}"
+        old.mkdir()
+        (old / "FAILED").write_text("")
+        os.utime(old, (1000 + i, 1000 + i))
+    running = tmp_path / f"{launcher.LOG_PREFIX}running"  # a launch in progress elsewhere: never touched
+    running.mkdir()
+    (running / "launcher.json").write_text(f'{{"pid": {os.getpid()}}}')
+    with pytest.raises(ddpkit.LaunchError):
+        launch(fail_fast, world_size=1, output="none")
+    left = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(launcher.LOG_PREFIX))
+    assert len(left) == launcher.KEEP_FAILED_LOGS + 1 and running.name in left
+    assert f"{launcher.LOG_PREFIX}old00" not in left and f"{launcher.LOG_PREFIX}old14" in left
+
+
+def thread_count(ctx):
+    return torch.get_num_threads()
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_one_thread_rule_whatever_the_start_method(monkeypatch, method):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert launch(thread_count, world_size=2, start_method=method, output="none") == [1, 1]
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")  # the user's explicit choice: honoured where it is safe
+    assert launch(thread_count, world_size=1, start_method=method, output="none") == [1 if method == "fork" else 2]
+
+
+def test_forking_from_a_multi_threaded_process_does_not_warn():
+    """Python 3.12+ warns when fork() runs beside other threads (a notebook kernel always has some)."""
+    stop = threading.Event()
+    helper = threading.Thread(target=stop.wait, daemon=True)
+    helper.start()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", DeprecationWarning)
+            assert launch(rank_sum, 1, world_size=2, output="none")[0]["sum"].item() == 3.0
+    finally:
+        stop.set()

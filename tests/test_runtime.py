@@ -4,7 +4,11 @@ import numpy as np
 import pytest
 import torch
 
+import torch.distributed as dist
+
 from ddpkit import runtime
+from ddpkit.launch import launch
+from ddpkit.parallel.dims import ParallelDims
 
 
 def test_auto_backend_is_gloo_without_gpus():
@@ -16,6 +20,30 @@ def test_auto_backend_is_gloo_without_gpus():
 def test_impossible_backend_is_a_clear_error(requested, fix):
     with pytest.raises(ValueError, match=fix):
         runtime.resolve_backend(requested, 2)
+
+
+def test_parallel_dims_lay_ranks_out_like_a_device_mesh():
+    dims = ParallelDims.from_world(8, tp=2, pp=2)
+    assert (dims.dp, dims.tp, dims.pp, dims.world_size) == (2, 2, 2, 8)
+    assert [tuple(dims.coords(r).values()) for r in range(8)] == [
+        (0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1), (1, 0, 0), (1, 0, 1), (1, 1, 0), (1, 1, 1)]
+    with pytest.raises(ValueError, match="not divisible by tp x pp"):
+        ParallelDims.from_world(6, tp=4)
+
+
+def layout(ctx, tp):
+    ctx = ctx.with_dims(ParallelDims.from_world(ctx.world_size, tp=tp))
+    ids = torch.tensor([float(ctx.dp_rank)])
+    dist.all_reduce(ids, group=ctx.dp_group)  # sums the dp indices of my data-parallel peers only
+    return {"dp_rank": ctx.dp_rank, "dp_size": ctx.dp_size, "mesh": ctx.mesh.get_coordinate(), "dp_sum": ids.item(),
+            "dp_group_size": dist.get_world_size(ctx.dp_group)}
+
+
+def test_the_data_parallel_group_is_the_dp_axis_of_the_mesh():
+    out = launch(layout, 2, world_size=4, output="none")
+    assert [r["dp_rank"] for r in out] == [0, 0, 1, 1]  # tensor-parallel peers share a data-parallel index
+    assert [r["mesh"] for r in out] == [(0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1)]
+    assert all(r["dp_size"] == r["dp_group_size"] == 2 and r["dp_sum"] == 1.0 for r in out)
 
 
 def test_context_from_torchrun_environment(monkeypatch):
@@ -36,13 +64,19 @@ def test_context_without_environment_says_what_to_do(monkeypatch):
         runtime.RankContext.from_env()
 
 
-def test_threads_per_rank_never_oversubscribes(monkeypatch):
+def test_one_thread_per_rank_unless_the_user_says_otherwise(monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    cores = len(runtime.os.sched_getaffinity(0))
-    for ranks in (1, 2, 4, 64):
-        assert runtime.threads_per_rank(ranks) * min(ranks, cores) <= max(cores, ranks)
+    assert runtime.threads_per_rank() == runtime.threads_per_rank(forked=True) == 1
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
-    assert runtime.threads_per_rank(2) == 3  # the user's explicit choice wins
+    assert runtime.threads_per_rank() == 3  # the user's explicit choice wins
+    assert runtime.threads_per_rank(forked=True) == 1  # except in a forked rank (GNU OpenMP and fork)
+    monkeypatch.setenv("OMP_NUM_THREADS", "lots")
+    assert runtime.threads_per_rank() == 1
+
+
+def test_gpus_are_counted_without_initialising_cuda():
+    runtime.gpu_count()
+    assert not runtime.cuda_touched()
 
 
 def test_seed_everything_reproduces_every_generator():

@@ -3,11 +3,15 @@
 import pytest
 import torch
 
+import ddpkit
 from ddpkit import checkpoint, metrics, train
+from ddpkit.hooks import Hook
 from ddpkit.config import TrainConfig
 from ddpkit.launch import launch
 from ddpkit.models import build_model, loss_fn
-from ddpkit.train import PhaseTimer, train_step, wrap_ddp
+from ddpkit.parallel.ddp import wrap_ddp
+from ddpkit.step import PhaseTimer, train_step
+from ddpkit.train import Trainer
 
 SMALL = dict(dataset_size=512, input_width=32, hidden_width=64, steps=12, log_every=100)
 
@@ -111,16 +115,19 @@ def test_a_real_run_with_accumulation_communicates_once_per_step(tmp_path):
     assert [r["comm_calls"] for r in steps] == [one_round] * 3  # not 4 rounds per step
 
 
-@pytest.mark.parametrize("variant", [
-    dict(),
-    dict(num_workers=2, dataset_size=160),  # 10 steps an epoch: the resume is mid-epoch 1 and crosses epochs
-    dict(amp="fp16"),
-    dict(model="gpt", amp="bf16"),
+@pytest.mark.parametrize("world_size, variant", [
+    (2, dict()),
+    (2, dict(num_workers=2, dataset_size=160)),  # 10 steps an epoch: the resume is mid-epoch 1 and crosses epochs
+    (2, dict(amp="fp16")),
+    (2, dict(model="gpt", amp="bf16")),
+    (3, dict()),  # with 3 or more replicas the order of additions matters: DDP's bucket layout must not change
+    (4, dict(micro_batch_size=4)),
+    (4, dict(model="gpt", micro_batch_size=4)),
 ])
-def test_exact_resume(tmp_path, variant):
-    straight = run(2, steps=20, **variant)[0]
-    run(2, steps=15, checkpoint_dir=str(tmp_path), **variant)
-    resumed = run(2, steps=20, checkpoint_dir=str(tmp_path), resume=True, **variant)[0]
+def test_exact_resume(tmp_path, world_size, variant):
+    straight = run(world_size, steps=20, **variant)[0]
+    run(world_size, steps=15, checkpoint_dir=str(tmp_path), **variant)
+    resumed = run(world_size, steps=20, checkpoint_dir=str(tmp_path), resume=True, **variant)[0]
     assert resumed["resumed_from_step"] == 15 and resumed["steps"] == 20
     assert resumed["param_sha256"] == straight["param_sha256"]
     assert resumed["data_sha256"] == straight["data_sha256"]
@@ -216,3 +223,39 @@ def test_phase_timer_accumulates():
         with timer("forward_s"):
             sum(range(1000))
     assert set(timer.seconds) == {"forward_s"} and timer.seconds["forward_s"] > 0
+
+
+class LossWitness(Hook):
+    """Records, at every step boundary, what this rank believes the step and the global loss are."""
+
+    def __init__(self):
+        self.seen = []
+
+    def after_step(self, trainer, result):
+        self.seen.append((trainer.step, result.step, result.loss))
+
+
+def witnessed(ctx, cfg):
+    witness = LossWitness()
+    summary = Trainer(ctx, cfg, hooks=[witness]).fit()
+    return {"seen": witness.seen, "losses": summary["losses"]}
+
+
+def test_hooks_see_the_same_step_and_global_loss_on_every_rank():
+    cfg = TrainConfig(world_size=2, **{**SMALL, "steps": 5})
+    out = launch(witnessed, cfg, world_size=2, output="none")
+    assert out[0]["seen"] == out[1]["seen"] and [s[0] for s in out[0]["seen"]] == [1, 2, 3, 4, 5]
+    assert [s[2] for s in out[0]["seen"]] == [x["loss"] for x in out[0]["losses"]]
+
+
+def test_rerunning_into_a_folder_of_newer_checkpoints_is_refused_not_corrupted(tmp_path):
+    """Re-running a cell: the folder holds steps 10..40 of the first run; a fresh 10-step run must not
+    save step 10 and prune it away (it used to die with FileNotFoundError)."""
+    run(2, steps=40, checkpoint_dir=str(tmp_path), checkpoint_every=10)
+    with pytest.raises(ddpkit.LaunchError) as info:
+        run(2, steps=10, checkpoint_dir=str(tmp_path), checkpoint_every=5)
+    assert info.value.is_user_error and "already holds checkpoints" in info.value.root_cause.message
+    assert [checkpoint.step_of(p) for p in checkpoint.list_checkpoints(tmp_path)] == [40, 30, 20]  # untouched
+    fresh = run(2, steps=10, checkpoint_dir=str(tmp_path), checkpoint_every=5, overwrite_checkpoints=True)[0]
+    assert fresh["param_sha256"] == run(2, steps=10)[0]["param_sha256"]
+    assert [checkpoint.step_of(p) for p in checkpoint.list_checkpoints(tmp_path)] == [10, 5]

@@ -1,0 +1,71 @@
+"""Fault tolerance on one rank: deliberate faults to practise recovery on, and a limit on stalls.
+
+* :class:`FaultInjection` makes one rank fail once, reproducibly, after a given step: ``raise`` an
+  exception, ``exit`` the process, ``kill`` it with SIGKILL (what the OOM killer or a preempted node
+  does: no exception, no exit code), ``hang``, or from that step on run ``slow`` (a straggler). It
+  fails only on the first attempt, so a restarted run can finish.
+* :class:`StallWatchdog` bounds every step. A peer's collective timeout catches a rank that hangs,
+  but a world of one has no peer, and a rank can hang outside any collective. The watchdog is
+  ``faulthandler``'s C-level timer: if the next step does not finish in time, it writes every
+  thread's Python stack to stderr and ends the process (it works even when Python itself is stuck).
+  The launcher recognises that stack dump and names the rank *stalled*.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import signal
+import sys
+import time
+
+from ddpkit.config import TrainConfig
+from ddpkit.hooks import Hook
+
+STALL_MARGIN_S = 10.0  # a step may take the collective timeout plus this before its rank is stopped
+
+
+class InjectedFailure(RuntimeError):
+    """Raised by ``--fail-mode raise``: a deliberate, reproducible rank failure."""
+
+
+class FaultInjection(Hook):
+    """The ``--fail-*`` flags, as a hook at the step boundary."""
+
+    def __init__(self, cfg: TrainConfig, attempt: int) -> None:
+        self.cfg, self.attempt = cfg, attempt
+
+    def before_step(self, trainer) -> None:
+        cfg, step, rank = self.cfg, trainer.step, trainer.ctx.rank
+        if cfg.fail_at_step is None or rank != cfg.fail_rank:
+            return
+        if cfg.fail_mode == "slow":
+            if step >= cfg.fail_at_step:
+                with trainer.timer("data_s"):  # a slow input pipeline on this rank only
+                    time.sleep(cfg.slow_step_s)
+            return
+        if step != cfg.fail_at_step or self.attempt != 0:
+            return
+        print(f"injecting failure ({cfg.fail_mode}) on rank {rank} after step {step}", flush=True)
+        if cfg.fail_mode == "raise":
+            raise InjectedFailure(f"injected failure after step {step} on rank {rank}")
+        if cfg.fail_mode == "exit":
+            os._exit(13)
+        if cfg.fail_mode == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        while True:  # hang: the other ranks block in the next collective until it times out
+            time.sleep(1)
+
+
+class StallWatchdog:
+    """Ends this process, with every thread's stack, if :meth:`pet` is not called within ``limit_s``."""
+
+    def __init__(self, limit_s: float) -> None:
+        self.limit_s = limit_s
+
+    def pet(self) -> None:
+        """A step finished: the next one has ``limit_s`` seconds."""
+        faulthandler.dump_traceback_later(self.limit_s, exit=True, file=sys.stderr)
+
+    def stop(self) -> None:
+        faulthandler.cancel_dump_traceback_later()

@@ -1,0 +1,21 @@
+"""The parallelism plane: how the model, its gradients and its optimizer state are split across ranks.
+
+One file per strategy (``ddp.py``, ...), behind the small interface in ``base.py``; ``dims.py`` is the
+parallel layout (dp x tp x pp) and its device mesh. :func:`build_strategy` maps a config's
+``strategy`` name to one. Strategy modules are imported on demand, so that importing the layout (which
+the config does) stays cheap.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+STRATEGIES = {"ddp": "ddpkit.parallel.ddp:DDPStrategy"}  # name -> module:class
+
+
+def build_strategy(name: str, ctx):
+    """The strategy a config names, for this rank."""
+    if name not in STRATEGIES:
+        raise ValueError(f"unknown strategy {name!r}: use one of {', '.join(STRATEGIES)}")
+    module, cls = STRATEGIES[name].split(":")
+    return getattr(importlib.import_module(module), cls)(ctx)

@@ -1,0 +1,132 @@
+"""One optimizer step: forward, backward, gradient sync, clipping, update.
+
+:func:`train_step` runs one step over ``grad_accum`` micro-batches:
+
+* every micro-batch's loss is divided by ``grad_accum`` and the data-parallel strategy averages over
+  replicas, so the step's gradient is the mean over the whole global batch: the same gradient as one
+  big batch;
+* the strategy runs the micro-batches and skips gradient sync for all but the last one (for DDP:
+  forward **and** backward inside ``no_sync()``; see ``parallel/base.py``);
+* AMP: ``bf16`` autocast needs no scaler (bf16 has fp32's exponent range); ``fp16`` needs
+  ``GradScaler``, and gradients are **unscaled before clipping** (clipping scaled gradients clips at
+  the wrong threshold).
+
+The step returns this rank's loss sum and sample ids; :func:`gather_step` turns them into the global
+loss and the global sample ids (what ``data_sha256`` fingerprints), the same on every rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from ddpkit.config import TrainConfig
+from ddpkit.models import loss_fn
+from ddpkit.parallel.base import Strategy
+from ddpkit.runtime import RankContext
+
+AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class PhaseTimer:
+    """Accumulates wall time per phase. On a GPU it synchronises at phase ends (honest, not free)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
+
+
+def lr_at(cfg: TrainConfig, step: int) -> float:
+    """Learning rate of 0-based optimizer step ``step``: linear warm-up, then constant."""
+    if cfg.warmup_steps == 0:
+        return cfg.lr
+    return cfg.lr * min(1.0, (step + 1) / cfg.warmup_steps)
+
+
+def micro_step(model: torch.nn.Module, scaler: torch.amp.GradScaler, cfg: TrainConfig, device: torch.device,
+               accum: int, timer: PhaseTimer, sums: list, ids: list) -> Callable[..., None]:
+    """A function that runs forward and backward of one micro-batch, collecting its loss sum and ids."""
+
+    def run(batch: dict, loss_scale: float = 1.0) -> None:
+        with timer("h2d_s"):
+            inputs = batch["inputs"].to(device, non_blocking=True)
+            targets = batch["targets"].to(device, non_blocking=True)
+        with timer("forward_s"), torch.autocast(device.type, dtype=AMP_DTYPES.get(cfg.amp), enabled=cfg.amp != "off"):
+            per_sample = loss_fn(model(inputs), targets, reduction="none")  # (B,)
+            loss = per_sample.mean() / accum
+            if loss_scale != 1.0:
+                loss = loss * loss_scale
+        with timer("backward_s"):
+            scaler.scale(loss).backward()  # identity when the scaler is disabled
+        sums.append(per_sample.detach().sum())
+        ids.append(batch["index"])
+
+    return run
+
+
+def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
+               micro_batches: list[dict], cfg: TrainConfig, device: torch.device,
+               timer: PhaseTimer | None = None, strategy: Strategy | None = None) -> tuple[float, list[int]]:
+    """One optimizer step. Returns (sum of per-sample losses on this rank, sample ids used here).
+
+    ``strategy`` defaults to DDP's rule (``no_sync`` when the model is wrapped in DDP).
+    """
+    if strategy is None:
+        from ddpkit.parallel.ddp import DDPStrategy
+
+        strategy = DDPStrategy()
+    timer = timer or PhaseTimer(device)
+    sums: list[torch.Tensor] = []
+    ids: list[torch.Tensor] = []
+    strategy.forward_backward(model, micro_batches, micro_step(model, scaler, cfg, device, len(micro_batches),
+                                                               timer, sums, ids))
+    with timer("optimizer_s"):
+        scaler.unscale_(optimizer)  # before clipping: clip the true gradient, not the scaled one
+        if cfg.grad_clip > 0:
+            strategy.clip_grad_norm_(model, cfg.grad_clip)
+        scaler.step(optimizer)  # skips the step if fp16 gradients overflowed
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+    loss_sum = 0.0
+    for s in sums:  # one host sync per step, summed in the same order and precision as it always was
+        loss_sum += float(s)
+    return loss_sum, [i for t in ids for i in t.tolist()]
+
+
+def example_batch(cfg: TrainConfig) -> dict:
+    """A one-sample batch of the right shapes and dtypes (zeros), for a warm-up pass."""
+    if cfg.model == "mlp":
+        return {"index": torch.tensor([-1]), "inputs": torch.zeros(1, cfg.input_width),
+                "targets": torch.zeros(1, dtype=torch.long)}
+    tokens = torch.zeros(1, cfg.seq_len, dtype=torch.long)
+    return {"index": torch.tensor([-1]), "inputs": tokens, "targets": tokens}
+
+
+def gather_step(ctx: RankContext, loss_sum: float, sample_ids: list[int]) -> tuple[float, list[int]]:
+    """Global loss sum and the global sample ids of this step, in one collective over the data-parallel
+    group (tensor- and pipeline-parallel peers hold the same samples).
+
+    One ``all_gather`` of ``[loss_sum, id, id, ...]`` in float64 (exact for ids below 2**53) instead of
+    an ``all_reduce`` plus an ``all_gather``: on small steps each extra collective is visible.
+    """
+    if ctx.dp_size == 1:
+        return loss_sum, sample_ids
+    mine = torch.tensor([loss_sum, *sample_ids], dtype=torch.float64, device=ctx.device)
+    everyone = [torch.empty_like(mine) for _ in range(ctx.dp_size)]
+    dist.all_gather(everyone, mine, group=ctx.dp_group)
+    total = sum(float(t[0]) for t in everyone)
+    return total, [int(i) for t in everyone for i in t[1:].tolist()]
