@@ -37,33 +37,28 @@ call. DataLoader workers forked inside a rank are treated the same way (see ``tr
 from __future__ import annotations
 
 import contextlib
-import faulthandler
 import importlib
-import io
 import json
 import os
 import pickle
 import re
 import shutil
-import signal
 import socket
 import sys
 import tempfile
 import time
-import traceback
 import warnings
 from typing import Any, Callable
 
-import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ddpkit import runtime
 from ddpkit.config import MAX_TIMEOUT_S
-from ddpkit.errors import UserError
-from ddpkit.failures import LaunchError, raised_in_collective
+from ddpkit.failures import LaunchError
 from ddpkit.files import write_atomic
 from ddpkit.monitor import Monitor
+from ddpkit.rank import FORK_WARNING, dumps_cpu, rank_main
 
 OUTPUT_MODES = ("all", "rank0", "none")
 MAX_LOCAL_RANKS = 64  # more processes than this on one machine is a typo, not a plan
@@ -71,7 +66,6 @@ STOP_GRACE_S = 1.0  # SIGTERM, then SIGKILL after this long
 KEEP_FAILED_LOGS = 10  # log folders of failed launches kept in the temp folder, newest first
 LOG_PREFIX = "ddpkit-launch-"
 _OWN_FILE = re.compile(r"^rank\d+\.(log|result|error\.json)$")
-FORK_WARNING = r".*multi-threaded, use of fork\(\) may lead to deadlocks"
 
 
 def launch(fn: Callable[..., Any], *args: Any, world_size: int | None = None, backend: str = "auto",
@@ -115,7 +109,7 @@ def launch(fn: Callable[..., Any], *args: Any, world_size: int | None = None, ba
                 warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=FORK_WARNING, category=DeprecationWarning)
             for rank in range(world_size):
-                proc = context.Process(target=_rank_main, name=f"ddpkit-rank{rank}",
+                proc = context.Process(target=rank_main, name=f"ddpkit-rank{rank}",
                                        args=(fn, args, kwargs, rank, spec))
                 proc.start()
                 procs.append(proc)
@@ -276,79 +270,6 @@ def _run_as_external_rank(fn, args, kwargs, world_size, backend, timeout) -> lis
     finally:
         if created:
             runtime.destroy_process_group()
-
-
-# ----------------------------------------------------------------------------- inside a rank
-
-def _rank_main(fn, args, kwargs, rank: int, spec: dict) -> None:
-    """Entry point of one rank process. It always ends in ``os._exit``: no teardown, no atexit hooks."""
-    run_dir = spec["run_dir"]
-    runtime.die_with_parent()
-    _redirect_output(os.path.join(run_dir, f"rank{rank}.log"))
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # a forked rank inherits the kernel's
-    faulthandler.enable(file=sys.stderr, all_threads=True)  # a crash dumps its stack into this rank's log
-    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)  # and so does SIGUSR1, on demand
-    warnings.filterwarnings("ignore", message=FORK_WARNING, category=DeprecationWarning)  # DataLoader workers
-    world_size = spec["world_size"]
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(spec["port"]), DDPKIT_LAUNCHED="1")
-    try:
-        ctx = runtime.RankContext(rank, rank, world_size, world_size, spec["backend"],
-                                  runtime.device_for(spec["backend"], rank))
-        ctx = runtime.init_process_group(ctx, spec["timeout"], forked=spec["forked"])
-        payload = dumps_cpu(fn(ctx, *args, **kwargs))
-        if dist.is_initialized():
-            dist.barrier()  # nobody exits while a peer may still be talking to it
-        write_atomic(os.path.join(run_dir, f"rank{rank}.result"), payload)
-    except BaseException as exc:  # noqa: BLE001 - SystemExit and KeyboardInterrupt are failures too
-        record = {"type": type(exc).__name__, "message": str(exc), "time": time.time(),
-                  "traceback": traceback.format_exc(), "in_collective": raised_in_collective(exc),
-                  "user_error": isinstance(exc, UserError)}
-        write_atomic(os.path.join(run_dir, f"rank{rank}.error.json"), json.dumps(record).encode())
-        sys.stderr.write(record["traceback"])
-        _flush_and_exit(1)
-    _flush_and_exit(0)
-
-
-def _flush_and_exit(code: int) -> None:
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # skip the teardown: C++ destructors of live process groups, inherited atexit hooks
-
-
-def _redirect_output(path: str) -> None:
-    """Send file descriptors 1 and 2 (Python's and C++'s output) to the rank's log file."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
-    sys.stdout = io.TextIOWrapper(os.fdopen(1, "wb", buffering=0, closefd=False),
-                                  line_buffering=True, write_through=True)
-    sys.stderr = io.TextIOWrapper(os.fdopen(2, "wb", buffering=0, closefd=False),
-                                  line_buffering=True, write_through=True)
-
-
-class _CPUPickler(pickle.Pickler):
-    """Pickles tensors as detached CPU copies wherever they sit: in a defaultdict, a namedtuple, a
-    dataclass or any object. A CUDA tensor unpickled in the parent would initialise CUDA there (and
-    every later fork would be refused); a tensor that requires grad cannot be pickled at all."""
-
-    def reducer_override(self, obj):
-        if isinstance(obj, torch.Tensor) and (obj.device.type != "cpu" or obj.requires_grad):
-            return _same, (obj.detach().to("cpu", copy=True),)
-        return NotImplemented
-
-
-def _same(value: Any) -> Any:
-    return value
-
-
-def dumps_cpu(value: Any) -> bytes:
-    """Pickle a rank's result with every tensor as a CPU copy (see :class:`_CPUPickler`)."""
-    buffer = io.BytesIO()
-    _CPUPickler(buffer).dump(value)
-    return buffer.getvalue()
 
 
 def _read_result(run_dir: str, rank: int) -> Any:

@@ -40,7 +40,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ddpkit.config import MAX_TIMEOUT_S
 from ddpkit.parallel.dims import ParallelDims
 
 BACKENDS = ("auto", "gloo", "nccl")

@@ -1,0 +1,129 @@
+"""The GPU path, on a real GPU (skipped where there is none: CI and this kit's CPU machines).
+
+Each test that needs a clean parent (CUDA untouched) runs its parent in a fresh interpreter: a
+monkeypatched predicate cannot catch the bugs these guard against.
+"""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from conftest import REPO, cli_env
+from ddpkit import runtime
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(runtime.gpu_count() == 0, reason="needs a CUDA GPU")]
+
+
+def python(code: str, tmp_path, timeout: float = 180) -> subprocess.CompletedProcess:
+    script = tmp_path / "parent.py"
+    script.write_text(textwrap.dedent(code))
+    return subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=timeout,
+                          cwd=tmp_path, env=cli_env(PYTHONPATH=f"{tmp_path}:{REPO}"))
+
+
+def test_counting_gpus_leaves_cuda_untouched_so_notebook_ranks_can_fork(tmp_path):
+    proc = python("""
+        import torch, ddpkit
+        from ddpkit import runtime
+        from ddpkit.notebook import pick_runtime
+
+        def on_the_gpu(ctx):  # defined in __main__, like a notebook cell: needs fork
+            return float(torch.ones(1, device="cuda").sum())
+
+        if __name__ == "__main__":
+            print("gpus", pick_runtime()["gpus"])
+            assert not runtime.cuda_touched() and not torch.cuda.is_initialized()
+            print("result", ddpkit.launch(on_the_gpu, world_size=1, backend="gloo", output="none"))
+    """, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "result [1.0]" in proc.stdout
+
+
+def test_fork_is_refused_once_is_available_has_run_and_an_importable_function_is_spawned(tmp_path):
+    (tmp_path / "gpu_worker.py").write_text(textwrap.dedent("""
+        import torch
+
+        def on_the_gpu(ctx):
+            return float(torch.ones(1, device="cuda").sum())
+    """))
+    proc = python("""
+        import torch, ddpkit
+        from ddpkit import runtime
+        from gpu_worker import on_the_gpu
+
+        def in_main(ctx):
+            return 1.0
+
+        if __name__ == "__main__":
+            torch.cuda.is_available()  # initialises the CUDA driver here, although is_initialized() stays False
+            print("touched", runtime.cuda_touched(), "initialized", torch.cuda.is_initialized())
+            try:
+                ddpkit.launch(in_main, world_size=1, output="none")
+            except ValueError as exc:
+                print("refused:", exc)
+            print("spawned", ddpkit.launch(on_the_gpu, world_size=1, backend="gloo", output="none"))
+    """, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "touched True" in proc.stdout
+    assert "refused: cannot start ranks for in_main: CUDA is already initialised here" in proc.stdout
+    assert "spawned [1.0]" in proc.stdout
+
+
+def test_a_cuda_tensor_returned_by_a_rank_arrives_on_the_cpu_and_cuda_stays_untouched(tmp_path):
+    proc = python("""
+        import collections, torch, ddpkit
+        from ddpkit import runtime
+
+        Pair = collections.namedtuple("Pair", "a b")
+
+        def returns_cuda(ctx):
+            return {"pair": Pair(torch.ones(2, device="cuda"), [torch.zeros(1, device="cuda", requires_grad=True)])}
+
+        if __name__ == "__main__":
+            out = ddpkit.launch(returns_cuda, world_size=1, backend="gloo", output="none")[0]
+            print("devices", out["pair"].a.device.type, out["pair"].b[0].device.type)
+            print("touched", runtime.cuda_touched())
+    """, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "devices cpu cpu" in proc.stdout and "touched False" in proc.stdout
+
+
+def comm_on_nccl(ctx):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from ddpkit.metrics import CommTimer
+    from ddpkit.models import MLP
+    from ddpkit.state import rng_state
+
+    model = DDP(MLP(1024, 4096, 8).to(ctx.device), device_ids=[ctx.device.index])
+    timer = CommTimer(ctx.device).register(model)
+    x = torch.randn(256, 1024, device=ctx.device)
+    for _ in range(3):
+        timer.reset()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        model(x).sum().backward()
+        end.record()
+        end.synchronize()
+    return {"comm_s": timer.seconds, "backward_s": start.elapsed_time(end) / 1e3, "calls": timer.calls,
+            "cuda_rng_states": len(rng_state(ctx.device)["cuda"])}
+
+
+def test_nccl_comm_time_is_measured_on_the_gpu_not_at_enqueue():
+    from ddpkit.launch import launch
+
+    out = launch(comm_on_nccl, world_size=1, backend="nccl", start_method="spawn", output="none")[0]
+    assert out["calls"] >= 1 and 0 < out["comm_s"] <= out["backward_s"], out
+    assert out["cuda_rng_states"] == 1  # this rank's device only
+
+
+def test_nccl_training_smoke(tmp_path):
+    path = tmp_path / "s.json"
+    proc = subprocess.run([sys.executable, "-m", "ddpkit", "train", "--world-size", "1", "--backend", "nccl",
+                           "--steps", "20", "--summary-json", str(path)], capture_output=True, text=True,
+                          timeout=180, cwd=REPO, env=cli_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "(nccl, cuda" in proc.stdout
