@@ -15,12 +15,12 @@ def summarize(samples: list[float]) -> dict:
     return {"median_s": statistics.median(samples), "min_s": min(samples), "n": len(samples)}
 
 
-def write_results(name: str, payload: dict) -> str:
+def write_results(name: str, payload: dict) -> dict:
+    """Write ``results/<name>.json`` (with the machine it ran on) and print it; return the payload."""
     os.makedirs(RESULTS, exist_ok=True)
     payload = {"benchmark": name, "when": time.strftime("%Y-%m-%dT%H:%M:%S"), "torch": str(torch.__version__),
                "python": platform.python_version(), "cpus": os.cpu_count(), **payload}
-    path = os.path.join(RESULTS, f"{name}.json")
-    with open(path, "w") as handle:
+    with open(os.path.join(RESULTS, f"{name}.json"), "w") as handle:
         json.dump(payload, handle, indent=1)
     print(json.dumps(payload, indent=1))
-    return path
+    return payload

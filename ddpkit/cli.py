@@ -111,7 +111,12 @@ def check_before_launch(cfg: TrainConfig, attempt: int = 0) -> None:
         raise ValueError("--max-restarts needs --checkpoint-dir (a restart resumes from a checkpoint)")
     if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) and not cfg.checkpoint_dir:
         raise ValueError("torchrun --max-restarts needs --checkpoint-dir (a restarted worker resumes from a checkpoint)")
-    if not cfg.checkpoint_dir or attempt > 0:
+    if not cfg.checkpoint_dir:
+        return
+    if attempt > 0:  # a torchrun restart resumes: its own run's checkpoints, never another run's
+        newest = checkpoint.latest_good(cfg.checkpoint_dir, deep=False)
+        if newest and not cfg.resume and checkpoint.read_manifest(newest)["meta"].get("run_id") != state.run_id():
+            raise ValueError(train.foreign_checkpoints_message(cfg.checkpoint_dir))
         return
     if not cfg.resume:
         if checkpoint.list_checkpoints(cfg.checkpoint_dir) and not cfg.overwrite_checkpoints:
@@ -136,13 +141,12 @@ def main(argv: list[str] | None = None) -> int:
         return _refuse(exc)
     if runtime.under_torchrun():  # torchrun made us one rank; it also owns restarts
         try:
-            launch(train.run, cfg.replace(resume=cfg.resume or attempt > 0), attempt,
-                   backend=cfg.backend, timeout=cfg.timeout)
+            launch(train.run, restarted(cfg) if attempt > 0 else cfg, attempt, backend=cfg.backend, timeout=cfg.timeout)
         except UserError as exc:
             return _refuse(exc)
         return 0
     for attempt in range(cfg.max_restarts + 1):
-        run_cfg = cfg.replace(resume=cfg.resume or attempt > 0)
+        run_cfg = restarted(cfg) if attempt > 0 else cfg
         try:
             launch(train.run, run_cfg, attempt, world_size=cfg.world_size, backend=cfg.backend,
                    timeout=cfg.timeout, output="all")
@@ -155,6 +159,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"ddpkit: restarting all {cfg.world_size} ranks from the newest good checkpoint "
                       f"(restart {attempt + 1} of {cfg.max_restarts})", file=sys.stderr, flush=True)
     return 1
+
+
+def restarted(cfg: TrainConfig) -> TrainConfig:
+    """The config of a restart: it resumes from the newest good checkpoint of this run."""
+    return cfg.replace(resume=True, overwrite_checkpoints=False)
 
 
 def _refuse(reason: object) -> int:

@@ -68,7 +68,8 @@ class RankContext:
     dims: ParallelDims | None = None
     """The parallel layout; None means pure data parallelism (dp = world)."""
     mesh: Any = None
-    """The :class:`~torch.distributed.device_mesh.DeviceMesh` over (pp, dp, tp), once the process group exists."""
+    """The :class:`~torch.distributed.device_mesh.DeviceMesh` over (pp, dp, tp), built by :meth:`with_dims`
+    (collective: every rank calls it; the trainer does). A plain launch does without it."""
 
     def __post_init__(self) -> None:
         if self.dims is None:
@@ -98,9 +99,11 @@ class RankContext:
     @property
     def dp_group(self):
         """The process group of this rank's data-parallel peers (the world when dp = world)."""
-        if self.mesh is None:
-            raise RuntimeError("no device mesh yet: call runtime.init_process_group(ctx) first")
-        return self.mesh.get_group("dp")
+        if self.mesh is not None:
+            return self.mesh.get_group("dp")
+        if self.dims.dp == self.world_size:
+            return dist.group.WORLD
+        raise RuntimeError(f"layout {self.dims.describe()} needs its device mesh: ctx = ctx.with_dims(ctx.dims) on every rank")
 
     @property
     def world_group(self):
@@ -212,9 +215,8 @@ def threads_per_rank(forked: bool = False) -> int:
 # ----------------------------------------------------------------------------- process group
 
 def init_process_group(ctx: RankContext, timeout_s: float = DEFAULT_TIMEOUT_S, forked: bool = False) -> RankContext:
-    """Set this rank's threads, pin its device, join the job's process group (env:// rendezvous on
-    MASTER_ADDR:MASTER_PORT, or one that already exists) and build the device mesh.
-    Returns the context with its mesh."""
+    """Set this rank's threads, pin its device and join the job's process group (env:// rendezvous on
+    MASTER_ADDR:MASTER_PORT, or one that already exists). Returns the context."""
     torch.set_num_threads(threads_per_rank(forked))
     if ctx.device.type == "cuda":
         torch.cuda.set_device(ctx.device)
@@ -224,7 +226,7 @@ def init_process_group(ctx: RankContext, timeout_s: float = DEFAULT_TIMEOUT_S, f
             backend=ctx.backend, rank=ctx.rank, world_size=ctx.world_size, timeout=timeout,
             device_id=ctx.device if ctx.device.type == "cuda" else None, store=_torchelastic_store(ctx, timeout),
         )
-    return dataclasses.replace(ctx, mesh=ctx.dims.build_mesh(ctx.device.type))
+    return ctx
 
 
 def _torchelastic_store(ctx: RankContext, timeout: datetime.timedelta) -> dist.Store | None:

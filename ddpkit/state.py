@@ -18,6 +18,7 @@ its own device's CUDA generator: asking for all of them would create a CUDA cont
 
 from __future__ import annotations
 
+import os
 import random
 import warnings
 from typing import Any
@@ -57,9 +58,14 @@ def load_model_and_optimizer(model: torch.nn.Module, optimizer: torch.optim.Opti
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state, options=_LOAD)
 
 
+def run_id() -> str | None:
+    """The id torchrun gives a job (kept across its restarts), or None outside torchrun."""
+    return os.environ.get("TORCHELASTIC_RUN_ID")
+
+
 def meta(cfg: TrainConfig) -> dict:
     """The identity a checkpoint carries: enough to refuse a resume that would change training."""
-    return {"config_digest": cfg.digest(), "semantics": cfg.semantics(), "world_size": cfg.world_size,
+    return {"run_id": run_id(), "config_digest": cfg.digest(), "semantics": cfg.semantics(), "world_size": cfg.world_size,
             "dp": cfg.dp, "global_batch_size": cfg.global_batch_size, "micro_batch_size": cfg.micro_batch_size,
             "grad_accum": cfg.grad_accum, "strategy": cfg.strategy, "torch_version": str(torch.__version__),
             "ddpkit_version": ddpkit.__version__}

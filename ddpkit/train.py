@@ -85,7 +85,7 @@ class Trainer:
                                  persistent_workers=workers, worker_init_fn=die_with_parent if workers else None,
                                  multiprocessing_context="fork" if workers else None)
         self.step, self.consumed, self.data_sha256 = 0, 0, metrics.DATA_SHA256_START
-        self.resumed_from, self.losses = 0, []
+        self.resumed_from, self.losses, self.phase_totals = 0, [], dict.fromkeys(metrics.PHASES, 0.0)
         self.timer = PhaseTimer(ctx.device)
         self.log = metrics.MetricsLogger(ctx, cfg.metrics_dir, cfg.log_every)
         self.hooks = [FaultInjection(cfg, attempt), *(hooks or [])]
@@ -190,7 +190,7 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
 
     def run_step(self) -> StepResult:
-        """One optimizer step with the hooks around it."""
+        """One optimizer step with the hooks around it, logged."""
         cfg, ctx = self.cfg, self.ctx
         started, self.timer, lr = time.perf_counter(), PhaseTimer(ctx.device), lr_at(cfg, self.step)
         for hook in self.hooks:
@@ -215,44 +215,53 @@ class Trainer:
         for hook in self.hooks:
             hook.after_step(self, result)
         result.step_time_s = time.perf_counter() - started
+        self.losses.append({"step": result.step, "loss": result.loss})
+        for p in metrics.PHASES:
+            self.phase_totals[p] += result.phases[p]
+        self.log.step(result.step, last=result.step == cfg.steps, loss=result.loss, local_loss=result.local_loss,
+                      lr=result.lr, step_time_s=result.step_time_s, samples_per_s=cfg.global_batch_size / result.step_time_s,
+                      comm_calls=result.comm_calls, comm_bytes=result.comm_bytes, checkpoint_s=result.checkpoint_s,
+                      **result.phases)
         return result
 
-    def fit(self) -> dict:
-        """Train to ``cfg.steps``; returns the run summary (every rank computes it, rank 0 writes it)."""
+    def prepare(self) -> None:
+        """Announce the run (rank 0) and let the strategy settle before the first step (collective)."""
         cfg, ctx = self.cfg, self.ctx
         if ctx.is_main:
             print(f"ddpkit train: {cfg.model}, world {ctx.world_size} ({ctx.backend}, {ctx.device.type}, "
                   f"{cfg.strategy}, {ctx.dims.describe()}), global batch {cfg.global_batch_size} = "
                   f"{cfg.micro_batch_size} x {cfg.grad_accum} x {ctx.dp_size}, steps {self.step} -> {cfg.steps}, "
                   f"digest {cfg.digest()[:12]}", flush=True)
+        self.strategy.prepare(self.model, micro_step(self.model, self.scaler, cfg, ctx.device, 1,
+                                                     PhaseTimer(ctx.device), [], []), example_batch(cfg))
+
+    def fit(self) -> dict:
+        """Train to ``cfg.steps``; returns the run summary (every rank computes it, rank 0 writes it)."""
+        cfg = self.cfg
         watchdog = StallWatchdog(cfg.timeout + STALL_MARGIN_S)
         watchdog.pet()
         try:
-            self.strategy.prepare(self.model, micro_step(self.model, self.scaler, cfg, ctx.device, 1,
-                                                         PhaseTimer(ctx.device), [], []), example_batch(cfg))
-            phase_totals = dict.fromkeys(metrics.PHASES, 0.0)
+            self.prepare()
             while self.step < cfg.steps:
-                result = self.run_step()
+                self.run_step()
                 watchdog.pet()
-                self.losses.append({"step": result.step, "loss": result.loss})
-                for p in metrics.PHASES:
-                    phase_totals[p] += result.phases[p]
-                self.log.step(result.step, last=result.step == cfg.steps, loss=result.loss,
-                              local_loss=result.local_loss, lr=result.lr, step_time_s=result.step_time_s,
-                              samples_per_s=cfg.global_batch_size / result.step_time_s, comm_calls=result.comm_calls,
-                              comm_bytes=result.comm_bytes, checkpoint_s=result.checkpoint_s, **result.phases)
             for hook in self.hooks:
                 hook.on_end(self)
-            return self.summary(phase_totals)
+            return self.summary()
         finally:
             watchdog.stop()
-            self.log.close()
-            self._batches = self.loader = None  # shuts DataLoader workers down now
+            self.close()
 
-    def summary(self, phase_totals: dict[str, float]) -> dict:
+    def close(self) -> None:
+        """Close the logs and shut DataLoader workers down now (not when the garbage collector gets to it)."""
+        self.log.close()
+        self._batches = self.loader = None
+
+    def summary(self) -> dict:
+        """The run's result: hashes that prove what was trained on what, losses, phase times (collective)."""
         cfg, ctx = self.cfg, self.ctx
         ran = max(1, self.step - self.resumed_from)
-        phase_means = metrics.reduce_across_ranks(ctx, {p: v / ran for p, v in phase_totals.items()})
+        phase_means = metrics.reduce_across_ranks(ctx, {p: v / ran for p, v in self.phase_totals.items()})
         summary = {
             "world_size": ctx.world_size, "backend": ctx.backend, "model": cfg.model, "strategy": cfg.strategy,
             "dp": ctx.dims.dp, "tp": ctx.dims.tp, "pp": ctx.dims.pp,

@@ -190,3 +190,15 @@ def test_torchrun_restarts_without_a_checkpoint_dir_are_one_line_before_training
     assert proc.returncode != 0
     assert "ddpkit: error: torchrun --max-restarts needs --checkpoint-dir" in out
     assert "ValueError" not in out and "ddpkit train:" not in out  # no rank's traceback, no training started
+
+
+def test_torchrun_restarts_never_resume_another_runs_checkpoints(tmp_path, summary):
+    ck = tmp_path / "ck"
+    summary("earlier", "--steps", "8", "--checkpoint-dir", str(ck), "--checkpoint-every", "4")
+    before = sorted(p.name for p in ck.iterdir())
+    proc = torchrun("--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "-m", "ddpkit", "train",
+                    "--steps", "4", "--checkpoint-dir", str(ck))
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode != 0 and "ddpkit train:" not in out  # refused at the start and again at the restart
+    assert out.count("already holds checkpoints") >= 2
+    assert sorted(p.name for p in ck.iterdir()) == before

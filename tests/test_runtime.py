@@ -42,7 +42,7 @@ def layout(ctx, tp):
 def test_the_data_parallel_group_is_the_dp_axis_of_the_mesh():
     out = launch(layout, 2, world_size=4, output="none")
     assert [r["dp_rank"] for r in out] == [0, 0, 1, 1]  # tensor-parallel peers share a data-parallel index
-    assert [r["mesh"] for r in out] == [(0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1)]
+    assert [tuple(r["mesh"]) for r in out] == [(0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1)]
     assert all(r["dp_size"] == r["dp_group_size"] == 2 and r["dp_sum"] == 1.0 for r in out)
 
 

@@ -38,7 +38,7 @@ def wrap_ddp(model: torch.nn.Module, ctx: RankContext) -> torch.nn.Module:
     if ctx.dp_size == 1:
         return model
     return DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
-               process_group=ctx.dp_group if ctx.mesh is not None else None, gradient_as_bucket_view=True)
+               process_group=ctx.dp_group, gradient_as_bucket_view=True)
 
 
 class DDPStrategy(Strategy):

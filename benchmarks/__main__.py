@@ -1,0 +1,30 @@
+"""``python -m benchmarks [--quick]``: run every benchmark; each writes ``benchmarks/results/<name>.json``.
+
+Targets, not tests: these machines are noisy, so each benchmark measures ddpkit and its baseline side
+by side in one run and reports the ratio.
+"""
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import checkpoint_cost  # noqa: E402
+import launch_latency  # noqa: E402
+import startup  # noqa: E402
+import trainer_overhead  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer repeats (a smoke run, noisier numbers)")
+    quick = parser.parse_args().quick
+    checkpoint_cost.main(repeats=5 if quick else 15)
+    trainer_overhead.main(blocks=3 if quick else 8, steps_per_block=20 if quick else 40)
+    launch_latency.main(repeats=3 if quick else 15, teardown_launches=20 if quick else 200)
+    startup.main(repeats=2 if quick else 5)
+
+
+if __name__ == "__main__":
+    main()
