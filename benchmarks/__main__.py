@@ -21,7 +21,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer repeats (a smoke run, noisier numbers)")
     quick = parser.parse_args().quick
     checkpoint_cost.main(repeats=5 if quick else 15)
-    trainer_overhead.main(blocks=3 if quick else 8, steps_per_block=20 if quick else 40)
+    trainer_overhead.main(steps=100 if quick else 600)
     launch_latency.main(repeats=3 if quick else 15, teardown_launches=20 if quick else 200)
     startup.main(repeats=2 if quick else 5)
 

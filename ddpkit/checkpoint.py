@@ -9,7 +9,7 @@ checkpoint, and whether a resume may use it, is ``state.py``'s business). The pr
   temporary folder that is never read, or a complete checkpoint: it cannot damage an older one.
 * **Pluggable writer**: :func:`prepare` makes the folder, any writer fills it (rank 0 with one
   ``torch.save`` file today, :func:`write_torch`; every rank writing its own shards later), and
-  :func:`publish` seals it. Hashes are computed while the bytes are written, not by reading them back.
+  :func:`publish` seals it. Hashes are computed while the bytes are written, not by a second pass.
 * **Verified**: "latest" means the newest checkpoint whose manifest verifies (well-formed, every file
   present with its size and sha256). A torn, altered or malformed one is skipped with a warning.
 * **Pruned safely**: the newest ``keep_last`` good checkpoints are kept, always including the one just
@@ -21,11 +21,13 @@ checkpoint, and whether a resume may use it, is ``state.py``'s business). The pr
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
 import re
 import shutil
+import threading
 import time
 import warnings
 import zipfile
@@ -35,7 +37,7 @@ from typing import Any
 import torch
 
 from ddpkit.errors import UserError
-from ddpkit.files import HashingWriter, file_sha256, fsync_dir, write_atomic
+from ddpkit.files import FollowingHash, file_sha256, fsync_dir, fsync_file
 
 MANIFEST = "manifest.json"
 STATE_FILE = "state.pt"
@@ -79,15 +81,18 @@ def prepare(root: str | Path, step: int) -> Path:
 
 
 def write_torch(path: Path, obj: Any) -> dict:
-    """``torch.save`` to ``path``, hashed while written, fsynced. Returns the manifest entry."""
-    with open(path, "wb") as handle:
-        hashing = HashingWriter(handle)
-        try:
-            torch.save(obj, hashing)
-        finally:
-            sha256, nbytes = hashing.finish()
-        handle.flush()
-        os.fsync(handle.fileno())
+    """``torch.save`` to ``path``, hashed while written, fsynced. Returns the manifest entry.
+
+    ``torch.save`` writes the file through its own C++ writer; a second thread hashes the bytes as they
+    reach the page cache (:class:`~ddpkit.files.FollowingHash`), so hashing overlaps both the
+    serialisation and the ``fsync`` instead of reading the file back afterwards.
+    """
+    follower = FollowingHash(path)
+    try:
+        torch.save(obj, str(path))
+        fsync_file(path)
+    finally:
+        sha256, nbytes = follower.finish()
     return {"sha256": sha256, "bytes": nbytes}
 
 
@@ -97,7 +102,11 @@ def publish(root: str | Path, step: int, tmp: Path, files: dict[str, dict], meta
     root = Path(root)
     manifest = {"format": FORMAT, "writer": writer, "step": step, "created": time.time(),
                 "meta": meta or {}, "files": files}
-    write_atomic(tmp / MANIFEST, json.dumps(manifest, indent=1), durable=True)  # its presence means "complete"
+    with open(tmp / MANIFEST, "w") as handle:  # written last: its presence means "complete"
+        json.dump(manifest, handle, indent=1)
+        handle.flush()
+        os.fsync(handle.fileno())
+    fsync_dir(tmp)  # the files' names in the folder are durable too
     final = step_dir(root, step)
     if final.exists():  # re-saving a step (after a restart): swap, never leave a moment without it
         old = root / f".old-step-{step:08d}-{os.getpid()}"
@@ -138,11 +147,15 @@ def recover(root: str | Path) -> None:
 
 def prune(root: str | Path, keep_last: int, keep: Path | None = None) -> None:
     """Keep ``keep`` and the newest good checkpoints, ``keep_last`` in all; delete broken folders and
-    leftovers of interrupted saves (one writer per root, so every temporary folder is dead)."""
+    leftovers of interrupted saves (one writer per root, so every temporary folder is dead).
+
+    Deleting a large folder takes a while (every block is freed), and nothing waits for it: what goes
+    is first renamed to ``.trash-*`` (instant, and never listed as a checkpoint), then deleted on a
+    background thread. Trash left by a process that ended first is deleted by the next prune.
+    """
     root = Path(root)
     recover(root)
-    for stale in root.glob(".tmp-step-*"):
-        shutil.rmtree(stale, ignore_errors=True)
+    doomed = list(root.glob(".tmp-step-*"))
     kept = [keep] if keep is not None else []
     for path in list_checkpoints(root):
         if path == keep:
@@ -150,14 +163,25 @@ def prune(root: str | Path, keep_last: int, keep: Path | None = None) -> None:
         if verify(path, deep=False) is None and len(kept) < keep_last:
             kept.append(path)
         else:
-            shutil.rmtree(path, ignore_errors=True)
+            doomed.append(path)
+    for n, path in enumerate(doomed):
+        with contextlib.suppress(OSError):
+            os.rename(path, root / f".trash-{path.name}-{os.getpid()}-{time.monotonic_ns()}-{n}")
+    trash = list(root.glob(".trash-*"))
+    if trash:
+        threading.Thread(target=_delete, args=(trash,), name="ddpkit-prune", daemon=True).start()
+
+
+def _delete(paths: list[Path]) -> None:
+    for path in paths:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def clear(root: str | Path) -> list[str]:
     """Delete every checkpoint and leftover in ``root`` (a run told to start clean). Returns what went."""
     root = Path(root)
     gone = [p.name for p in list_checkpoints(root)]
-    for path in [*list_checkpoints(root), *root.glob(".tmp-step-*"), *root.glob(".old-step-*")]:
+    for path in [*list_checkpoints(root), *root.glob(".tmp-step-*"), *root.glob(".old-step-*"), *root.glob(".trash-*")]:
         shutil.rmtree(path, ignore_errors=True)
     return gone
 

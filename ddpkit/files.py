@@ -9,9 +9,8 @@ Two properties, and what each costs:
   *and* the folder that holds its name (the rename is a change to the folder). Only checkpoints pay for
   this; a run summary or a launcher's result file does not need to survive a power cut.
 
-:class:`HashingWriter` computes a sha256 while a file is written, on a second thread (``hashlib``
-releases the GIL), instead of reading the file back afterwards: a checkpoint's manifest costs almost
-nothing over the write itself.
+:class:`FollowingHash` computes a file's sha256 while it is being written, on a second thread,
+instead of reading the file back afterwards: a checkpoint's manifest costs little over the write.
 """
 
 from __future__ import annotations
@@ -19,8 +18,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-import queue
 import threading
+import time
 from pathlib import Path
 from typing import IO, Iterator
 
@@ -63,40 +62,60 @@ def write_atomic(path: str | os.PathLike, data: bytes | str, durable: bool = Fal
         handle.write(data)
 
 
-class HashingWriter:
-    """A write-only file wrapper that hashes (sha256) and counts what passes through it.
+class FollowingHash:
+    """The sha256 and size of a file that another writer is writing now, read as it grows.
 
-    The hashing runs on a second thread, fed in order through a queue, so it overlaps with the
-    serialisation that produces the bytes. Each chunk is copied before it is queued: the caller
-    (``torch.save``) may reuse its buffer once ``write`` returns. Call :meth:`finish` once, at the end.
+    A thread follows the file from its start, hashing each new block as soon as it is in the page
+    cache (``hashlib`` releases the GIL, so this runs beside the writer), and :meth:`finish` collects
+    what is left once the writer is done. The writer must write sequentially, never seeking back:
+    ``torch.save`` does (its zip writer checks its own position on every write). The copy that the
+    read makes happens on the hashing thread, not on the writer's.
     """
 
-    def __init__(self, handle: IO[bytes]) -> None:
-        self.handle = handle
-        self.nbytes = 0
-        self._sha = hashlib.sha256()
-        self._chunks: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._hash, name="ddpkit-sha256", daemon=True)
+    def __init__(self, path: str | os.PathLike, poll_s: float = 0.0002) -> None:
+        self.path, self.poll_s = Path(path), poll_s
+        self.path.touch()  # exists, empty, before the writer starts
+        self._done = threading.Event()
+        self._result: tuple[str, int] | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._follow, name="ddpkit-sha256", daemon=True)
         self._thread.start()
 
-    def _hash(self) -> None:
-        while (chunk := self._chunks.get()) is not None:
-            self._sha.update(chunk)
-
-    def write(self, data) -> int:
-        chunk = bytes(data)
-        self._chunks.put(chunk)
-        self.nbytes += len(chunk)
-        return self.handle.write(chunk)
-
-    def flush(self) -> None:
-        self.handle.flush()
+    def _follow(self) -> None:
+        digest, nbytes = hashlib.sha256(), 0
+        try:
+            with open(self.path, "rb", buffering=0) as handle:
+                while True:
+                    finished = self._done.is_set()  # read before the last read: nothing is missed
+                    block = handle.read(1 << 20)
+                    if block:
+                        digest.update(block)
+                        nbytes += len(block)
+                    elif finished:
+                        break
+                    else:
+                        time.sleep(self.poll_s)
+            self._result = (digest.hexdigest(), nbytes)
+        except BaseException as exc:  # noqa: BLE001 - reported by finish()
+            self._error = exc
 
     def finish(self) -> tuple[str, int]:
-        """Wait for the hashing thread; return (sha256 hex digest, bytes written)."""
-        self._chunks.put(None)
+        """The writer is done: hash the rest and return (sha256 hex digest, bytes)."""
+        self._done.set()
         self._thread.join()
-        return self._sha.hexdigest(), self.nbytes
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None
+        return self._result
+
+
+def fsync_file(path: str | os.PathLike) -> None:
+    """Make a file's data durable (its name is the folder's business: :func:`fsync_dir`)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def file_sha256(path: str | os.PathLike) -> str:

@@ -24,7 +24,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from ddpkit.runtime import RankContext
 
@@ -32,7 +31,8 @@ PHASES = ("data_s", "h2d_s", "forward_s", "backward_s", "comm_s", "optimizer_s")
 
 
 class CommTimer:
-    """A DDP comm hook that does the default all-reduce and measures it.
+    """A DDP comm hook that does what the default one does (``allreduce_hook``: divide the bucket by the
+    group size, all-reduce it, bit for bit the same) and measures it.
 
     ``register(ddp_model)`` installs it. Per step it reports ``calls`` (buckets all-reduced), ``bytes``
     and ``seconds``: the length of the union of [launch, completion] intervals of all buckets, i.e.
@@ -70,19 +70,22 @@ class CommTimer:
         return time.perf_counter()
 
     def _hook(self, process_group, bucket):  # no annotations: DDP checks them literally
+        """What DDP's default hook does (divide by the group size, all-reduce), with timestamps."""
         started = self._now()
-        nbytes = bucket.buffer().numel() * bucket.buffer().element_size()
-        fut = default_hooks.allreduce_hook(process_group, bucket)
+        group = process_group if process_group is not None else dist.group.WORLD
+        tensor = bucket.buffer()
+        with self._lock:
+            self.calls += 1
+            self.bytes += tensor.numel() * tensor.element_size()
+        tensor.div_(group.size())
+        fut = dist.all_reduce(tensor, group=group, async_op=True).get_future()
 
         def done(f: torch.futures.Future) -> torch.Tensor:
             ended = self._now()
             with self._lock:
                 self._intervals.append((started, ended))
-            return f.value()
+            return f.value()[0]
 
-        with self._lock:
-            self.calls += 1
-            self.bytes += nbytes
         return fut.then(done)
 
     @property

@@ -11,8 +11,10 @@
   ``GradScaler``, and gradients are **unscaled before clipping** (clipping scaled gradients clips at
   the wrong threshold).
 
-The step returns this rank's loss sum and sample ids; :func:`gather_step` turns them into the global
-loss and the global sample ids (what ``data_sha256`` fingerprints), the same on every rank.
+The step returns this rank's loss sum and sample ids. :func:`global_loss_sum` makes the global loss
+every rank agrees on, each step; :func:`gather_sample_ids` collects the global sample ids (what
+``data_sha256`` fingerprints) for a batch of steps at once, so the fingerprint costs no extra message
+per step.
 """
 
 from __future__ import annotations
@@ -65,9 +67,12 @@ def micro_step(model: torch.nn.Module, scaler: torch.amp.GradScaler, cfg: TrainC
         with timer("h2d_s"):
             inputs = batch["inputs"].to(device, non_blocking=True)
             targets = batch["targets"].to(device, non_blocking=True)
-        with timer("forward_s"), torch.autocast(device.type, dtype=AMP_DTYPES.get(cfg.amp), enabled=cfg.amp != "off"):
+        autocast = torch.autocast(device.type, dtype=AMP_DTYPES[cfg.amp]) if cfg.amp != "off" else contextlib.nullcontext()
+        with timer("forward_s"), autocast:
             per_sample = loss_fn(model(inputs), targets, reduction="none")  # (B,)
-            loss = per_sample.mean() / accum
+            loss = per_sample.mean()
+            if accum != 1:  # x / 1 == x exactly: skip the kernel
+                loss = loss / accum
             if loss_scale != 1.0:
                 loss = loss * loss_scale
         with timer("backward_s"):
@@ -116,17 +121,22 @@ def example_batch(cfg: TrainConfig) -> dict:
     return {"index": torch.tensor([-1]), "inputs": tokens, "targets": tokens}
 
 
-def gather_step(ctx: RankContext, loss_sum: float, sample_ids: list[int]) -> tuple[float, list[int]]:
-    """Global loss sum and the global sample ids of this step, in one collective over the data-parallel
-    group (tensor- and pipeline-parallel peers hold the same samples).
-
-    One ``all_gather`` of ``[loss_sum, id, id, ...]`` in float64 (exact for ids below 2**53) instead of
-    an ``all_reduce`` plus an ``all_gather``: on small steps each extra collective is visible.
-    """
+def global_loss_sum(ctx: RankContext, loss_sum: float) -> float:
+    """The sum of every data-parallel rank's loss sum, the same on every rank (one all-reduce of one
+    float64 over the data-parallel group: tensor- and pipeline-parallel peers hold the same samples)."""
     if ctx.dp_size == 1:
-        return loss_sum, sample_ids
-    mine = torch.tensor([loss_sum, *sample_ids], dtype=torch.float64, device=ctx.device)
+        return loss_sum
+    total = torch.tensor([loss_sum], dtype=torch.float64, device=ctx.device)
+    dist.all_reduce(total, group=ctx.dp_group)
+    return float(total)
+
+
+def gather_sample_ids(ctx: RankContext, per_step: list[list[int]]) -> list[list[int]]:
+    """The global sample ids of several steps at once (one all-gather for all of them): for each step,
+    every data-parallel rank's ids, in rank order. What ``data_sha256`` folds in, a batch of steps at a time."""
+    if ctx.dp_size == 1 or not per_step:
+        return per_step
+    mine = torch.tensor(per_step, dtype=torch.int64, device=ctx.device)  # (steps, ids per rank per step)
     everyone = [torch.empty_like(mine) for _ in range(ctx.dp_size)]
     dist.all_gather(everyone, mine, group=ctx.dp_group)
-    total = sum(float(t[0]) for t in everyone)
-    return total, [int(i) for t in everyone for i in t[1:].tolist()]
+    return torch.cat(everyone, dim=1).tolist()

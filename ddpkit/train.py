@@ -42,9 +42,11 @@ from ddpkit.models import build_model, loss_fn
 from ddpkit.parallel import build_strategy
 from ddpkit.parallel.base import Strategy
 from ddpkit.runtime import RankContext, die_with_parent, seed_everything
-from ddpkit.step import PhaseTimer, example_batch, gather_step, lr_at, micro_step, train_step
+from ddpkit.step import (PhaseTimer, example_batch, gather_sample_ids, global_loss_sum, lr_at, micro_step,
+                         train_step)
 
 PROBE_SAMPLES = 16
+DATA_HASH_EVERY = 64  # fold the sample ids of this many steps into data_sha256 at once (one all-gather)
 RESTORE_MODES = ("full", "weights")
 __all__ = ["Hook", "StepResult", "Trainer", "build_dataset", "build_optimizer", "lr_at", "run", "train_step"]
 
@@ -85,6 +87,7 @@ class Trainer:
                                  persistent_workers=workers, worker_init_fn=die_with_parent if workers else None,
                                  multiprocessing_context="fork" if workers else None)
         self.step, self.consumed, self.data_sha256 = 0, 0, metrics.DATA_SHA256_START
+        self._unhashed_ids: list[list[int]] = []  # this rank's ids of the steps not yet in data_sha256
         self.resumed_from, self.losses, self.phase_totals = 0, [], dict.fromkeys(metrics.PHASES, 0.0)
         self.timer = PhaseTimer(ctx.device)
         self.log = metrics.MetricsLogger(ctx, cfg.metrics_dir, cfg.log_every)
@@ -148,6 +151,7 @@ class Trainer:
     def save(self) -> tuple[float, int]:
         """Checkpoint now (every rank calls; rank 0 writes; all wait until it is durable). Returns (s, bytes)."""
         started, cfg = time.perf_counter(), self.cfg
+        self.fold_data_hash()
         model_state, optimizer_state = state.model_and_optimizer(self.model, self.optimizer)
         rngs = state.gather_rng_states(self.ctx.device)
         probe, nbytes = self.probe_loss(), 0
@@ -204,13 +208,15 @@ class Trainer:
                 micro_batches.append(self.next_micro_batch())
         loss_sum, ids = train_step(self.model, self.optimizer, self.scaler, micro_batches, cfg, ctx.device,
                                    self.timer, self.strategy)
-        global_loss_sum, global_ids = gather_step(ctx, loss_sum, ids)
+        total_loss = global_loss_sum(ctx, loss_sum)
         self.step += 1
         self.consumed += cfg.global_batch_size
-        self.data_sha256 = metrics.extend_data_sha256(self.data_sha256, global_ids)
+        self._unhashed_ids.append(ids)
+        if len(self._unhashed_ids) >= DATA_HASH_EVERY:
+            self.fold_data_hash()
         phases = {p: self.timer.seconds.get(p, 0.0) for p in metrics.PHASES if p != "comm_s"}
         phases["comm_s"] = self.comm.seconds
-        result = StepResult(self.step, global_loss_sum / cfg.global_batch_size, loss_sum / len(ids), lr, ids,
+        result = StepResult(self.step, total_loss / cfg.global_batch_size, loss_sum / len(ids), lr, ids,
                             phases, self.comm.calls, self.comm.bytes)
         for hook in self.hooks:
             hook.after_step(self, result)
@@ -223,6 +229,14 @@ class Trainer:
                       comm_calls=result.comm_calls, comm_bytes=result.comm_bytes, checkpoint_s=result.checkpoint_s,
                       **result.phases)
         return result
+
+    def fold_data_hash(self) -> str:
+        """Bring ``data_sha256`` up to date: fold in the global sample ids of the steps since the last
+        fold, step by step (collective: every rank calls it at the same step; save and summary do)."""
+        for step_ids in gather_sample_ids(self.ctx, self._unhashed_ids):
+            self.data_sha256 = metrics.extend_data_sha256(self.data_sha256, step_ids)
+        self._unhashed_ids = []
+        return self.data_sha256
 
     def prepare(self) -> None:
         """Announce the run (rank 0) and let the strategy settle before the first step (collective)."""
@@ -260,6 +274,7 @@ class Trainer:
     def summary(self) -> dict:
         """The run's result: hashes that prove what was trained on what, losses, phase times (collective)."""
         cfg, ctx = self.cfg, self.ctx
+        self.fold_data_hash()
         ran = max(1, self.step - self.resumed_from)
         phase_means = metrics.reduce_across_ranks(ctx, {p: v / ran for p, v in self.phase_totals.items()})
         summary = {

@@ -48,8 +48,9 @@ def test_a_damaged_newest_checkpoint_is_skipped(tmp_path, damage):
 def test_a_crash_during_save_leaves_the_last_good_checkpoint(tmp_path, monkeypatch):
     checkpoint.save(tmp_path, 1, tiny_state(1))
 
-    def dies_halfway(obj, handle):
-        handle.write(b"the first hundred bytes of a checkpoint".ljust(100))
+    def dies_halfway(obj, path):
+        with open(path, "wb") as handle:
+            handle.write(b"the first hundred bytes of a checkpoint".ljust(100))
         raise OSError("disk full")
 
     monkeypatch.setattr(torch, "save", dies_halfway)
