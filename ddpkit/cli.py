@@ -116,11 +116,11 @@ def check_before_launch(cfg: TrainConfig, attempt: int = 0) -> None:
     if attempt > 0:  # a torchrun restart resumes: its own run's checkpoints, never another run's
         newest = checkpoint.latest_good(cfg.checkpoint_dir, deep=False)
         if newest and not cfg.resume and checkpoint.read_manifest(newest)["meta"].get("run_id") != state.run_id():
-            raise ValueError(train.foreign_checkpoints_message(cfg.checkpoint_dir))
+            raise ValueError(state.foreign_checkpoints_message(cfg.checkpoint_dir))
         return
     if not cfg.resume:
         if checkpoint.list_checkpoints(cfg.checkpoint_dir) and not cfg.overwrite_checkpoints:
-            raise ValueError(train.foreign_checkpoints_message(cfg.checkpoint_dir))
+            raise ValueError(state.foreign_checkpoints_message(cfg.checkpoint_dir))
         return
     with warnings.catch_warnings():  # the ranks warn about skipped checkpoints themselves
         warnings.simplefilter("ignore")

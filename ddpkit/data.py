@@ -27,6 +27,8 @@ from dataclasses import dataclass
 import torch
 from torch.utils.data import Dataset, DistributedSampler, Sampler
 
+from ddpkit.config import TrainConfig
+
 
 class TeacherClassification(Dataset):
     """Gaussian inputs labelled by a fixed random "teacher" network: learnable, so loss curves mean something.
@@ -132,6 +134,14 @@ class ResumableDistributedSampler(Sampler[int]):
 
     def load_state_dict(self, state: dict) -> None:
         self.set_consumed(int(state["consumed_samples"]))
+
+
+def build_dataset(cfg: TrainConfig):
+    """The synthetic dataset a config names (identical on every rank)."""
+    if cfg.model == "mlp":
+        return TeacherClassification(cfg.dataset_size, cfg.input_width, cfg.num_classes, cfg.seed,
+                                     cfg.data_delay_s)
+    return MarkovTokens(cfg.dataset_size, cfg.vocab_size, cfg.seq_len, cfg.seed, cfg.data_delay_s)
 
 
 class HandbookResumeSampler(DistributedSampler):

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ddpkit.files import atomic_write
 from ddpkit.runtime import RankContext
 
 PHASES = ("data_s", "h2d_s", "forward_s", "backward_s", "comm_s", "optimizer_s")
@@ -208,3 +209,10 @@ def extend_data_sha256(previous: str, step_sample_ids: list[int]) -> str:
     """Fold one optimizer step's global sample ids (sorted) into the running data hash."""
     ids = ",".join(str(i) for i in sorted(step_sample_ids))
     return hashlib.sha256(f"{previous}:{ids}".encode()).hexdigest()
+
+
+def write_summary(path: str, summary: dict[str, Any]) -> None:
+    """Write the summary JSON atomically (a reader never sees half a file, a failure leaves no temp file)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with atomic_write(path, "w") as handle:
+        json.dump(summary, handle, indent=1)

@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state
                                                      set_state_dict)
 
 import ddpkit
-from ddpkit.checkpoint import CheckpointError, CheckpointWarning
+from ddpkit.checkpoint import CheckpointError, CheckpointWarning, list_checkpoints
 from ddpkit.config import TrainConfig
 
 PROBE_RTOL = 1e-4  # a probe loss may differ this much after a restore on another device type
@@ -195,3 +195,11 @@ def check_probe(saved: dict, probe_loss: float) -> None:
     if saved_probe is not None and abs(probe_loss - saved_probe) > PROBE_RTOL * max(1.0, abs(saved_probe)):
         raise CheckpointError(f"loss is not continuous: the probe batch's loss was {saved_probe:.6f} at save and "
                               f"is {probe_loss:.6f} after restore: these are not the saved weights")
+
+
+def foreign_checkpoints_message(folder: str) -> str:
+    """Why a run that does not resume refuses a folder that already holds checkpoints, and the fixes."""
+    names = [p.name for p in list_checkpoints(folder)]
+    shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+    return (f"--checkpoint-dir {folder} already holds checkpoints ({shown}) of an earlier run: add --resume to "
+            f"continue it, --overwrite-checkpoints to delete them, or choose an empty folder")

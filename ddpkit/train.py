@@ -20,11 +20,9 @@
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -33,10 +31,9 @@ from torch.utils.data import DataLoader, default_collate
 
 from ddpkit import checkpoint, metrics, state
 from ddpkit.checkpoint import CheckpointError
-from ddpkit.config import MODELS, TrainConfig
-from ddpkit.data import MarkovTokens, ResumableDistributedSampler, TeacherClassification
+from ddpkit.config import TrainConfig
+from ddpkit.data import ResumableDistributedSampler, build_dataset
 from ddpkit.faults import STALL_MARGIN_S, FaultInjection, StallWatchdog
-from ddpkit.files import atomic_write
 from ddpkit.hooks import CheckpointEvery, Hook, StepResult
 from ddpkit.models import build_model, loss_fn
 from ddpkit.parallel import build_strategy
@@ -49,15 +46,6 @@ PROBE_SAMPLES = 16
 DATA_HASH_EVERY = 64  # fold the sample ids of this many steps into data_sha256 at once (one all-gather)
 RESTORE_MODES = ("full", "weights")
 __all__ = ["Hook", "StepResult", "Trainer", "build_dataset", "build_optimizer", "lr_at", "run", "train_step"]
-
-
-def build_dataset(cfg: TrainConfig):
-    """The synthetic dataset a config names (identical on every rank)."""
-    assert cfg.model in MODELS
-    if cfg.model == "mlp":
-        return TeacherClassification(cfg.dataset_size, cfg.input_width, cfg.num_classes, cfg.seed,
-                                     cfg.data_delay_s)
-    return MarkovTokens(cfg.dataset_size, cfg.vocab_size, cfg.seq_len, cfg.seed, cfg.data_delay_s)
 
 
 class Trainer:
@@ -141,7 +129,7 @@ class Trainer:
                 if gone:
                     print(f"deleted {len(gone)} checkpoint(s) from {cfg.checkpoint_dir} (--overwrite-checkpoints)", flush=True)
             else:
-                choice = ["!" + foreign_checkpoints_message(cfg.checkpoint_dir)] if checkpoint.list_checkpoints(cfg.checkpoint_dir) else [""]
+                choice = ["!" + state.foreign_checkpoints_message(cfg.checkpoint_dir)] if checkpoint.list_checkpoints(cfg.checkpoint_dir) else [""]
         if self.ctx.is_distributed:
             dist.broadcast_object_list(choice, src=0, group=self.ctx.world_group)
         if choice[0].startswith("!"):
@@ -293,21 +281,13 @@ class Trainer:
                 print(f"done: step {self.step}, loss {self.losses[0]['loss']:.4f} -> {self.losses[-1]['loss']:.4f}, "
                       f"param_sha256 {summary['param_sha256'][:16]}", flush=True)
             if cfg.summary_json:
-                write_summary(cfg.summary_json, summary)
+                metrics.write_summary(cfg.summary_json, summary)
         return summary
 
 
 def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
     """AdamW for ``model`` as the trainer builds it (through its strategy), at the schedule's first lr."""
     return Strategy().build_optimizer(model, lr_at(cfg, 0), cfg.weight_decay)
-
-
-def foreign_checkpoints_message(folder: str) -> str:
-    """Why a run that does not resume refuses a folder that already holds checkpoints, and the fixes."""
-    names = [p.name for p in checkpoint.list_checkpoints(folder)]
-    shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
-    return (f"--checkpoint-dir {folder} already holds checkpoints ({shown}) of an earlier run: add --resume to "
-            f"continue it, --overwrite-checkpoints to delete them, or choose an empty folder")
 
 
 def run(ctx: RankContext, cfg: TrainConfig, attempt: int = 0, restore: str = "full") -> dict:
@@ -317,10 +297,3 @@ def run(ctx: RankContext, cfg: TrainConfig, attempt: int = 0, restore: str = "fu
     not a recovery plan, only a way to measure why not (notebook 06).
     """
     return Trainer(ctx, cfg, attempt, restore).fit()
-
-
-def write_summary(path: str, summary: dict[str, Any]) -> None:
-    """Write the summary JSON atomically (a reader never sees half a file, a failure leaves no temp file)."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with atomic_write(path, "w") as handle:
-        json.dump(summary, handle, indent=1)
