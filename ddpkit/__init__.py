@@ -12,4 +12,4 @@ from ddpkit.parallel.dims import ParallelDims
 from ddpkit.runtime import RankContext
 
 __all__ = ["LaunchError", "ParallelDims", "RankContext", "RankFailure", "UserError", "launch"]
-__version__ = "0.1.0"
+__version__ = "0.2.0"

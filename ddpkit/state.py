@@ -174,6 +174,10 @@ def check_saved(saved: dict, cfg: TrainConfig, expected_lr: float, saved_at_step
         return
     optimizer = saved["optimizer"]
     names = [name for group in optimizer["param_groups"] for name in group["params"]]
+    if not all(isinstance(name, str) for name in names):
+        raise CheckpointError(f"this checkpoint keys its optimizer state by parameter index (written by ddpkit "
+                              f"{saved['meta'].get('ddpkit_version', '0.1')}); this version keys it by parameter "
+                              f"name: start a new --checkpoint-dir")
     missing = [name for name in names if "step" not in optimizer["state"].get(name, {})]
     if missing or not names:
         raise CheckpointError(f"optimizer state is missing for {len(missing)} of {len(names)} parameters at step "

@@ -378,6 +378,7 @@ def thread_count(ctx):
 def test_one_thread_rule_whatever_the_start_method(monkeypatch, method):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     assert launch(thread_count, world_size=2, start_method=method, output="none") == [1, 1]
+    assert launch(thread_count, world_size=1, start_method=method, output="none") == [1]  # not cores / ranks
     monkeypatch.setenv("OMP_NUM_THREADS", "2")  # the user's explicit choice: honoured where it is safe
     assert launch(thread_count, world_size=1, start_method=method, output="none") == [1 if method == "fork" else 2]
 

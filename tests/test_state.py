@@ -65,3 +65,15 @@ def test_state_goes_by_parameter_name_whatever_wraps_the_model():
     for result in launch(state_dicts_by_name, world_size=2, output="none"):
         assert result["model_keys"] == result["raw_keys"] == result["optim_keys"]  # no "module." prefix, no indices
         assert result["same"] and result["moments"]  # and it loads back bit for bit
+
+
+def test_a_checkpoint_of_the_index_keyed_format_is_refused_with_the_fix():
+    cfg = TrainConfig()
+    model = build_model(cfg)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, cfg.input_width)).sum().backward()
+    optimizer.step()
+    old = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),  # what ddpkit 0.1 wrote
+           "train": {"step": 1, "consumed_samples": cfg.global_batch_size}, "meta": {"ddpkit_version": "0.1.0"}}
+    with pytest.raises(CheckpointError, match="keys its optimizer state by parameter index.*new --checkpoint-dir"):
+        state.check_saved(old, cfg, expected_lr=1e-3)
