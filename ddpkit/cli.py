@@ -18,7 +18,10 @@ import argparse
 import os
 import sys
 import tempfile
+import traceback
 import warnings
+
+import torch.distributed as dist
 
 from ddpkit import checkpoint, runtime, state, train
 from ddpkit.config import AMP_MODES, FAIL_MODES, MODELS, TrainConfig
@@ -140,11 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, UserError) as exc:
         return _refuse(exc)
     if runtime.under_torchrun():  # torchrun made us one rank; it also owns restarts
-        try:
-            launch(train.run, restarted(cfg) if attempt > 0 else cfg, attempt, backend=cfg.backend, timeout=cfg.timeout)
-        except UserError as exc:
-            return _refuse(exc)
-        return 0
+        _run_as_torchrun_worker(restarted(cfg) if attempt > 0 else cfg, attempt)
     for attempt in range(cfg.max_restarts + 1):
         run_cfg = restarted(cfg) if attempt > 0 else cfg
         try:
@@ -159,6 +158,30 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"ddpkit: restarting all {cfg.world_size} ranks from the newest good checkpoint "
                       f"(restart {attempt + 1} of {cfg.max_restarts})", file=sys.stderr, flush=True)
     return 1
+
+
+def _run_as_torchrun_worker(cfg: TrainConfig, attempt: int) -> None:
+    """Train as the rank torchrun made this process, then end it with ``os._exit``.
+
+    Like the launcher's ranks, a worker leaves after a final barrier without tearing its process group
+    down: a teardown at interpreter exit can abort ("terminate called without an active exception") or,
+    seen once with torch 2.4.1 under torchrun's restarts, hang. Exit codes: 0 done, 2 a user error
+    (one line), 1 anything else (with its traceback).
+    """
+    code = 1
+    try:
+        ctx = runtime.init_process_group(runtime.RankContext.from_env(cfg.backend), cfg.timeout)
+        train.run(ctx, cfg, attempt)
+        dist.barrier()
+        code = 0
+    except UserError as exc:
+        code = _refuse(exc)
+    except BaseException:  # noqa: BLE001 - reported here, then the process ends
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def restarted(cfg: TrainConfig) -> TrainConfig:
