@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from ddpkit.errors import UserError
-from ddpkit.files import FollowingHash, file_sha256, fsync_dir, fsync_file
+from ddpkit.files import FollowingHash, file_sha256, fsync_path
 
 MANIFEST = "manifest.json"
 STATE_FILE = "state.pt"
@@ -90,7 +90,7 @@ def write_torch(path: Path, obj: Any) -> dict:
     follower = FollowingHash(path)
     try:
         torch.save(obj, str(path))
-        fsync_file(path)
+        fsync_path(path)
     finally:
         sha256, nbytes = follower.finish()
     return {"sha256": sha256, "bytes": nbytes}
@@ -106,7 +106,7 @@ def publish(root: str | Path, step: int, tmp: Path, files: dict[str, dict], meta
         json.dump(manifest, handle, indent=1)
         handle.flush()
         os.fsync(handle.fileno())
-    fsync_dir(tmp)  # the files' names in the folder are durable too
+    fsync_path(tmp)  # the files' names in the folder are durable too
     final = step_dir(root, step)
     if final.exists():  # re-saving a step (after a restart): swap, never leave a moment without it
         old = root / f".old-step-{step:08d}-{os.getpid()}"
@@ -115,7 +115,7 @@ def publish(root: str | Path, step: int, tmp: Path, files: dict[str, dict], meta
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.rename(tmp, final)
-    fsync_dir(root)
+    fsync_path(root)
     prune(root, keep_last, keep=final)
     return final
 
@@ -142,7 +142,7 @@ def recover(root: str | Path) -> None:
             shutil.rmtree(path, ignore_errors=True)  # the swap completed; this is the replaced copy
         else:
             os.rename(path, final)
-            fsync_dir(root)
+            fsync_path(root)
 
 
 def prune(root: str | Path, keep_last: int, keep: Path | None = None) -> None:

@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import IO, Iterator
 
 
-def fsync_dir(path: str | os.PathLike) -> None:
-    """Make a folder's entries (new names, renames, deletions) durable."""
+def fsync_path(path: str | os.PathLike) -> None:
+    """Make a file's data, or a folder's entries (new names, renames, deletions), durable."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -49,7 +49,7 @@ def atomic_write(path: str | os.PathLike, mode: str = "wb", durable: bool = Fals
                 os.fsync(handle.fileno())
         os.replace(tmp, path)
         if durable:
-            fsync_dir(path.parent)
+            fsync_path(path.parent)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
@@ -107,15 +107,6 @@ class FollowingHash:
             raise self._error
         assert self._result is not None
         return self._result
-
-
-def fsync_file(path: str | os.PathLike) -> None:
-    """Make a file's data durable (its name is the folder's business: :func:`fsync_dir`)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def file_sha256(path: str | os.PathLike) -> str:
