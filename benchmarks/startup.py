@@ -17,7 +17,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import write_results  # noqa: E402
+from _common import summarize, write_results  # noqa: E402
 
 IMPORTS = "import time; t = time.perf_counter(); import ddpkit.cli; print(time.perf_counter() - t)"
 PREPARE = ("import time, ddpkit.cli; from ddpkit.launch import _import_what_ranks_need as f; "
@@ -52,12 +52,8 @@ def main(repeats: int = 5) -> dict:
     parts = {"python_start_s": python_s, "import_s": imports, "prepare_imports_s": prepare,
              "trainer_build_and_summary_s": statistics.median(builds), "steps_s": statistics.median(steps)}
     parts["other_s"] = wall - sum(parts.values())
-    return write_results("startup", {"command": "ddpkit train (2 ranks, 40 steps)", "wall_s": summarize_walls(walls),
+    return write_results("startup", {"command": "ddpkit train (2 ranks, 40 steps)", "wall_s": summarize(walls),
                                      "breakdown_median_s": parts, "goal_s": 3.0})
-
-
-def summarize_walls(walls: list[float]) -> dict:
-    return {"median_s": statistics.median(walls), "min_s": min(walls), "n": len(walls)}
 
 
 if __name__ == "__main__":

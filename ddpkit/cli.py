@@ -116,22 +116,21 @@ def check_before_launch(cfg: TrainConfig, attempt: int = 0) -> None:
         raise ValueError("torchrun --max-restarts needs --checkpoint-dir (a restarted worker resumes from a checkpoint)")
     if not cfg.checkpoint_dir:
         return
-    if attempt > 0:  # a torchrun restart resumes: its own run's checkpoints, never another run's
-        newest = checkpoint.latest_good(cfg.checkpoint_dir, deep=False)
-        if newest and not cfg.resume and checkpoint.read_manifest(newest)["meta"].get("run_id") != state.run_id():
-            raise ValueError(state.foreign_checkpoints_message(cfg.checkpoint_dir))
-        return
-    if not cfg.resume:
+    if attempt == 0 and not cfg.resume:
         if checkpoint.list_checkpoints(cfg.checkpoint_dir) and not cfg.overwrite_checkpoints:
             raise ValueError(state.foreign_checkpoints_message(cfg.checkpoint_dir))
         return
     with warnings.catch_warnings():  # the ranks warn about skipped checkpoints themselves
         warnings.simplefilter("ignore")
         newest = checkpoint.latest_good(cfg.checkpoint_dir, deep=False)
-    if newest is not None:
-        saved = checkpoint.read_manifest(newest).get("meta", {})
-        if {"global_batch_size", "config_digest", "semantics"} <= set(saved):
-            state.check_compatible(saved, cfg)
+    if newest is None:
+        return
+    saved = checkpoint.read_manifest(newest)["meta"]
+    if attempt > 0 and not cfg.resume and saved.get("run_id") != state.run_id():
+        # a torchrun restart resumes its own run's checkpoints, never another run's
+        raise ValueError(state.foreign_checkpoints_message(cfg.checkpoint_dir))
+    if {"global_batch_size", "config_digest", "semantics"} <= set(saved):
+        state.check_compatible(saved, cfg)
 
 
 def main(argv: list[str] | None = None) -> int:

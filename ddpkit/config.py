@@ -41,6 +41,14 @@ MAX_TIMEOUT_S = 86_400.0  # a day: beyond it a "timeout" is a hang by another na
 MEMORY_SHARE = 0.5  # a config whose ranks would need more than this share of the machine's memory is refused
 
 
+def check_timeout(seconds) -> None:
+    """A collective timeout is a finite number of seconds in (0, one day]; ValueError otherwise."""
+    if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or not math.isfinite(seconds):
+        raise ValueError(f"timeout must be a finite number, got {seconds!r}")
+    if not 0 < seconds <= MAX_TIMEOUT_S:
+        raise ValueError(f"timeout must be in (0, {MAX_TIMEOUT_S:g}] seconds, got {seconds}")
+
+
 def learned(default):
     """A field that changes what is learned: part of the digest; a resume may not change it."""
     return field(default=default, metadata={"digest": True})
@@ -172,7 +180,7 @@ class TrainConfig:
         need(self.grad_clip >= 0, f"grad-clip must be >= 0, got {self.grad_clip}")
         for name in ("data_delay_s", "slow_step_s"):
             need(0 <= getattr(self, name) <= MAX_DELAY_S, f"{flag(name)} must be in [0, {MAX_DELAY_S:g}] seconds, got {getattr(self, name)}")
-        need(0 < self.timeout <= MAX_TIMEOUT_S, f"timeout must be in (0, {MAX_TIMEOUT_S:g}] seconds, got {self.timeout}")
+        check_timeout(self.timeout)
         need(self.num_workers <= MAX_WORKERS, f"num-workers must be <= {MAX_WORKERS}, got {self.num_workers}")
         need(self.d_model % self.n_heads == 0, f"n-heads ({self.n_heads}) must divide d-model ({self.d_model})")
         need(self.world_size % (self.tp * self.pp) == 0,

@@ -54,7 +54,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ddpkit import runtime
-from ddpkit.config import MAX_TIMEOUT_S
+from ddpkit.config import check_timeout
 from ddpkit.failures import LaunchError
 from ddpkit.files import write_atomic
 from ddpkit.monitor import Monitor
@@ -126,13 +126,6 @@ def launch(fn: Callable[..., Any], *args: Any, world_size: int | None = None, ba
     if log_dir is None:
         shutil.rmtree(run_dir, ignore_errors=True)
     return results
-
-
-def check_timeout(timeout: Any) -> None:
-    """A collective timeout must be a finite number of seconds in (0, one day]."""
-    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) \
-            or not 0 < timeout <= MAX_TIMEOUT_S:
-        raise ValueError(f"timeout must be a number of seconds in (0, {MAX_TIMEOUT_S:g}], got {timeout!r}")
 
 
 def resolve_start_method(requested: str, fn: Callable[..., Any], backend: str = "gloo") -> str:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 import random
-import warnings
 from typing import Any
 
 import numpy as np
@@ -30,7 +29,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state
                                                      set_state_dict)
 
 import ddpkit
-from ddpkit.checkpoint import CheckpointError, CheckpointWarning, list_checkpoints
+from ddpkit.checkpoint import CheckpointError, list_checkpoints
 from ddpkit.config import TrainConfig
 
 PROBE_RTOL = 1e-4  # a probe loss may differ this much after a restore on another device type
@@ -139,12 +138,6 @@ def torch_version_note(saved: dict) -> str | None:
         return (f"checkpoint written by torch {theirs}, resuming under torch {ours}: training continues "
                 f"correctly, but not bitwise like an uninterrupted run")
     return None
-
-
-def warn_torch_version(saved: dict) -> None:
-    note = torch_version_note(saved)
-    if note:
-        warnings.warn(note, CheckpointWarning, stacklevel=2)
 
 
 def check_saved(saved: dict, cfg: TrainConfig, expected_lr: float, saved_at_step: int | None = None,

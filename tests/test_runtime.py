@@ -74,11 +74,6 @@ def test_one_thread_per_rank_unless_the_user_says_otherwise(monkeypatch):
     assert runtime.threads_per_rank() == 1
 
 
-def test_gpus_are_counted_without_initialising_cuda():
-    runtime.gpu_count()
-    assert not runtime.cuda_touched()
-
-
 def test_seed_everything_reproduces_every_generator():
     def draw():
         return random.random(), float(np.random.rand()), float(torch.rand(1))

@@ -24,10 +24,6 @@ def test_rng_states_round_trip_as_plain_data(tmp_path):
     assert got[:2] == expected[:2] and torch.equal(got[2], expected[2])
 
 
-def test_cpu_ranks_store_no_cuda_generator():
-    assert state.rng_state(torch.device("cpu"))["cuda"] == []
-
-
 def test_resume_that_changes_training_is_refused_with_the_fix():
     saved = TrainConfig(world_size=2, micro_batch_size=8)
     state.check_compatible(state.meta(saved), saved.replace(world_size=1, micro_batch_size=16, steps=99))
