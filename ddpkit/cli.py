@@ -26,7 +26,7 @@ import torch.distributed as dist
 from ddpkit import checkpoint, runtime, state, train
 from ddpkit.config import AMP_MODES, FAIL_MODES, MODELS, TrainConfig
 from ddpkit.errors import UserError
-from ddpkit.failures import LaunchError
+from ddpkit.failures import LaunchError, knock_on_line, raised_in_collective
 from ddpkit.launch import MAX_LOCAL_RANKS, launch
 
 
@@ -54,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-workers", type=int, default=d.num_workers)
     p.add_argument("--checkpoint-dir", default=None)
     p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every)
+    p.add_argument("--checkpoint-every-s", type=float, default=d.checkpoint_every_s,
+                   help="also save when this many seconds have passed since the last save")
     p.add_argument("--keep-last", type=int, default=d.keep_last)
     p.add_argument("--resume", action="store_true", help="continue from the newest good checkpoint")
     p.add_argument("--overwrite-checkpoints", action="store_true",
@@ -175,8 +177,11 @@ def _run_as_torchrun_worker(cfg: TrainConfig, attempt: int) -> None:
         code = 0
     except UserError as exc:
         code = _refuse(exc)
-    except BaseException:  # noqa: BLE001 - reported here, then the process ends
-        traceback.print_exc()
+    except BaseException as exc:  # noqa: BLE001 - reported here, then the process ends
+        if raised_in_collective(exc):  # a peer went away: say so in one line, torchrun names the cause
+            print(knock_on_line(exc), file=sys.stderr)
+        else:
+            traceback.print_exc()
     finally:
         sys.stdout.flush()
         sys.stderr.flush()

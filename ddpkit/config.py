@@ -65,12 +65,12 @@ class TrainConfig:
 
     # --- what is learned (part of the digest) -------------------------------------------------
     model: str = learned("mlp")
-    """``mlp`` (the handbook's 3-layer MLP on a teacher-labelled set) or ``gpt`` (tiny GPT, Markov corpus)."""
+    """``mlp`` (the handbook's 3-layer MLP on noisy class templates) or ``gpt`` (tiny GPT, Markov corpus)."""
     dataset_size: int = learned(2048)
     """Number of samples in the synthetic dataset (one epoch)."""
     seed: int = learned(17)
     """Seeds model init, data, and the epoch shuffles (0 .. 2**32-1)."""
-    lr: float = learned(3e-3)
+    lr: float = learned(1e-3)
     """Peak AdamW learning rate, in (0, 1]."""
     warmup_steps: int = learned(5)
     """Linear warm-up from lr/warmup to lr; then constant (the schedule never depends on --steps)."""
@@ -122,6 +122,9 @@ class TrainConfig:
     """Where checkpoints go; None disables checkpointing."""
     checkpoint_every: int = runtime(0)
     """Save every N steps (0 = only at the end). Step-based, so every rank agrees when to save."""
+    checkpoint_every_s: float = runtime(0.0)
+    """Also save when this many seconds have passed since the last save (0 = off): bounds lost work in
+    time. Rank 0's clock decides and broadcasts the decision each step, so every rank saves together."""
     keep_last: int = runtime(3)
     """Keep this many newest good checkpoints."""
     resume: bool = runtime(False)
@@ -193,6 +196,10 @@ class TrainConfig:
              f"({self.dataset_size} samples): lower the batch or raise --dataset-size")
         need(not self.resume or self.checkpoint_dir is not None, "--resume needs --checkpoint-dir")
         need(not self.checkpoint_every or self.checkpoint_dir is not None, "--checkpoint-every needs --checkpoint-dir")
+        need(0 <= self.checkpoint_every_s <= MAX_TIMEOUT_S,
+             f"checkpoint-every-s must be from 0 (off) to {MAX_TIMEOUT_S:g} seconds, got {self.checkpoint_every_s:g}")
+        need(not self.checkpoint_every_s or self.checkpoint_dir is not None,
+             "--checkpoint-every-s needs --checkpoint-dir")
         need(not (self.resume and self.overwrite_checkpoints),
              "--resume continues the checkpoints that --overwrite-checkpoints would delete: choose one")
         need(0 <= self.fail_rank < self.world_size,

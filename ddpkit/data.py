@@ -30,19 +30,23 @@ from torch.utils.data import Dataset, DistributedSampler, Sampler
 from ddpkit.config import TrainConfig
 
 
-class TeacherClassification(Dataset):
-    """Gaussian inputs labelled by a fixed random "teacher" network: learnable, so loss curves mean something.
+class TemplateClassification(Dataset):
+    """Each class is a fixed random template; an input is its class's template plus Gaussian noise.
 
-    Labels from ``randint`` (as in the seed handbook) are noise: no model can do better than
-    ln(num_classes), and a broken trainer looks the same as a working one.
+    Learnable, so loss curves mean something: the templates have norm ``TEMPLATE_NORM`` against noise of
+    norm about sqrt(width), so the classes overlap a little and the default MLP goes from ln(8) ~ 2.08 to
+    about 0.3 within the notebooks' 40 steps, then keeps improving slowly. Labels from ``randint`` alone
+    (as in the seed handbook) are noise: no model can do better than ln(num_classes), and a broken
+    trainer looks the same as a working one.
     """
+
+    TEMPLATE_NORM = 4.0
 
     def __init__(self, size: int, width: int, num_classes: int, seed: int, delay_s: float = 0.0):
         gen = torch.Generator().manual_seed(seed)
-        self.features = torch.randn(size, width, generator=gen)  # (N, width)
-        w1 = torch.randn(width, 64, generator=gen) / width**0.5
-        w2 = torch.randn(64, num_classes, generator=gen) / 8.0
-        self.labels = (torch.tanh(self.features @ w1) @ w2).argmax(dim=1)  # (N,)
+        templates = torch.randn(num_classes, width, generator=gen) * (self.TEMPLATE_NORM / width**0.5)
+        self.labels = torch.randint(0, num_classes, (size,), generator=gen)  # (N,)
+        self.features = templates[self.labels] + torch.randn(size, width, generator=gen)  # (N, width)
         self.delay_s = delay_s
 
     def __len__(self) -> int:
@@ -139,7 +143,7 @@ class ResumableDistributedSampler(Sampler[int]):
 def build_dataset(cfg: TrainConfig):
     """The synthetic dataset a config names (identical on every rank)."""
     if cfg.model == "mlp":
-        return TeacherClassification(cfg.dataset_size, cfg.input_width, cfg.num_classes, cfg.seed,
+        return TemplateClassification(cfg.dataset_size, cfg.input_width, cfg.num_classes, cfg.seed,
                                      cfg.data_delay_s)
     return MarkovTokens(cfg.dataset_size, cfg.vocab_size, cfg.seq_len, cfg.seed, cfg.data_delay_s)
 

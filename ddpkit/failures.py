@@ -24,6 +24,7 @@ Among candidates the earliest wins.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import traceback as tb
 from dataclasses import dataclass
@@ -36,6 +37,10 @@ _COMM_WORDS = ("gloo", "nccl", "connection", "peer", "timed out", "collective", 
 _WATCHDOG_MARKS = ("watchdog caught collective operation timeout", "collective operation timeout",
                    "some nccl operations have failed or timed out")
 STALL_MARK = "Timeout ("  # faulthandler.dump_traceback_later's header, written when a stall limit fires
+RANK_ENTRY = f"ddpkit{os.sep}rank.py"  # the first frame of a rank's own code: rank_main
+_FRAME = re.compile(r'^\s+File "(?P<file>[^"]+)", line \d+ in (?P<func>\S+)')
+_SOURCE_PATH = re.compile(r"\[(?:[^\]]*/)?([^/\]]+\.(?:cc|cpp|h)):\d+\]\s*")
+_NOISE_PREFIXES = ("Got the following error when running the callback:", "RuntimeError:", "DistBackendError:")
 
 
 @dataclass
@@ -56,8 +61,68 @@ class RankFailure:
         return self.knock_on
 
     def headline(self) -> str:
+        """One line. A knock-on failure's message is cut to its first meaningful line: its full text is
+        about the peer that went away, which the root cause already explains (the logs keep it all)."""
         what = self.kind if self.exc_type == self.kind else f"{self.kind}: {self.exc_type}"
-        return f"rank {self.rank} {what}: {self.message}"
+        return f"rank {self.rank} {what}: {brief(self.message) if self.knock_on else self.message}"
+
+
+def brief(message: str) -> str:
+    """The first meaningful line of a communication error: gloo's and NCCL's messages wrap the cause
+    in callback prefixes and C++ source paths, and add advice that is about the peer, not this rank.
+
+    ``"Got the following error when running the callback: RuntimeError: [/path/gloo/.../pair.cc:537]
+    Read error [127.0.0.1]:37794: Connection reset by peer. This is typically caused by ..."`` becomes
+    ``"Read error [127.0.0.1]:37794: Connection reset by peer (pair.cc)"``.
+    """
+    line = next((ln.strip() for ln in message.splitlines() if ln.strip()), "")
+    stripped = True
+    while stripped:
+        stripped = False
+        for prefix in _NOISE_PREFIXES:
+            if line.startswith(prefix):
+                line, stripped = line[len(prefix):].strip(), True
+    source = _SOURCE_PATH.search(line)
+    if source:
+        line = (line[:source.start()] + line[source.end():]).strip() + f" ({source.group(1)})"
+    for advice in (". This is typically caused by", ". This may indicate"):
+        if advice in line:
+            head, _, tail = line.partition(advice)
+            line = head + (f" ({source.group(1)})" if source and not head.endswith(")") else "")
+    return line
+
+
+def knock_on_line(exc: BaseException) -> str:
+    """What a rank prints when a collective failed under it: one line, not a traceback of the peer's death."""
+    return f"knock-on failure inside a collective (a peer failed or timed out): {type(exc).__name__}: {brief(str(exc))}"
+
+
+def own_frames(stack: str) -> str:
+    """A faulthandler stack cut to the rank's own frames.
+
+    A rank forked from a notebook inherits the kernel's whole call stack (the event loop, the cell that
+    called ``launch``, multiprocessing's start-up), and faulthandler prints it under the rank's frames.
+    Everything below ``rank_main`` is the launching process, not the rank: replaced by one line.
+    Stacks are never cut anywhere else (what is kept is complete).
+    """
+    lines, out, dropped, skipping = stack.splitlines(), [], 0, False
+    for line in lines:
+        frame = _FRAME.match(line)
+        if frame is None:
+            if skipping and dropped:
+                out.append(f"  ... {dropped} frame(s) of the launching process omitted")
+            skipping, dropped = False, 0
+            out.append(line)
+            continue
+        if skipping:
+            dropped += 1
+            continue
+        out.append(line)
+        if frame.group("file").endswith(RANK_ENTRY) and frame.group("func") == "rank_main":
+            skipping = True
+    if skipping and dropped:
+        out.append(f"  ... {dropped} frame(s) of the launching process omitted")
+    return "\n".join(out)
 
 
 def raised_in_collective(exc: BaseException) -> bool:
@@ -83,9 +148,11 @@ def exit_failure(rank: int, exitcode: int, when: float, log_tail: str = "") -> R
                          if any(m in ln.lower() for m in _WATCHDOG_MARKS)), "")
             return RankFailure(rank, "killed", name, f"aborted by NCCL's watchdog after a collective timed out ({line})",
                                log_tail, when, knock_on=True)
-        return RankFailure(rank, "killed", name, f"rank process was killed by {name}", time=when)
+        return RankFailure(rank, "killed", name, "the process was killed by a signal, with no Python error "
+                           "(the OOM killer, a preempted node, kill -9)" if name == "SIGKILL"
+                           else "the process was killed by a signal, with no Python error", time=when)
     if STALL_MARK in log_tail and "most recent call first" in log_tail:
-        stack = log_tail[log_tail.index(STALL_MARK):]
+        stack = own_frames(log_tail[log_tail.index(STALL_MARK):])
         return RankFailure(rank, "stalled", "stalled", "no training step finished within its stall limit "
                            "(the rank's own watchdog stopped it; its stack is below)", stack, when)
     return RankFailure(rank, "exited", f"exit code {exitcode}",

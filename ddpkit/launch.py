@@ -53,6 +53,7 @@ from typing import Any, Callable
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ddpkit import progress as progress_view
 from ddpkit import runtime
 from ddpkit.config import check_timeout
 from ddpkit.failures import LaunchError
@@ -65,18 +66,21 @@ MAX_LOCAL_RANKS = 64  # more processes than this on one machine is a typo, not a
 STOP_GRACE_S = 1.0  # SIGTERM, then SIGKILL after this long
 KEEP_FAILED_LOGS = 10  # log folders of failed launches kept in the temp folder, newest first
 LOG_PREFIX = "ddpkit-launch-"
-_OWN_FILE = re.compile(r"^rank\d+\.(log|result|error\.json)$")
+_OWN_FILE = re.compile(r"^(rank\d+\.(log|result|error\.json)|progress\.jsonl)$")
 
 
 def launch(fn: Callable[..., Any], *args: Any, world_size: int | None = None, backend: str = "auto",
            start_method: str = "auto", timeout: float = runtime.DEFAULT_TIMEOUT_S,
-           output: str = "all", log_dir: str | None = None, kwargs: dict | None = None) -> list[Any]:
+           output: str = "all", log_dir: str | None = None, kwargs: dict | None = None,
+           progress: str = "auto") -> list[Any]:
     """Run ``fn(ctx, *args, **kwargs)`` on ``world_size`` real ranks (2 by default); return results by rank.
 
     ``timeout`` bounds every collective (and the wait for stragglers once a rank has finished).
     ``output`` is ``all``, ``rank0`` or ``none``. ``log_dir`` keeps the per-rank logs there; by
     default they go to a temporary folder that is removed after a clean run and kept (and named in
-    the error) after a failure; only the newest few failed ones are kept.
+    the error) after a failure; only the newest few failed ones are kept. ``progress`` shows a trainer's
+    steps live while it runs: ``widget`` (a bar and a loss plot, in Jupyter), ``text``, ``off``, or
+    ``auto`` (see :mod:`ddpkit.progress`).
     """
     kwargs = dict(kwargs or {})
     check_timeout(timeout)
@@ -91,6 +95,7 @@ def launch(fn: Callable[..., Any], *args: Any, world_size: int | None = None, ba
         raise ValueError("this process already belongs to a torch.distributed process group, which forked ranks "
                          "would inherit and hang on: call torch.distributed.destroy_process_group() first, "
                          "or restart the kernel")
+    progress_mode = progress_view.resolve_mode(progress)
     resolved_backend = runtime.resolve_backend(backend, world_size)
     method = resolve_start_method(start_method, fn, resolved_backend)
     if method == "fork":
@@ -98,8 +103,10 @@ def launch(fn: Callable[..., Any], *args: Any, world_size: int | None = None, ba
 
     run_dir = _make_run_dir(log_dir)
     spec = dict(world_size=world_size, backend=resolved_backend, port=free_port(), timeout=timeout,
-                run_dir=run_dir, forked=method == "fork")
-    monitor = Monitor(world_size, run_dir, output, timeout)
+                run_dir=run_dir, forked=method == "fork",
+                progress_file=os.path.join(run_dir, "progress.jsonl") if progress_mode != "off" else None)
+    display = progress_view.Display(os.path.join(run_dir, "progress.jsonl"), progress_mode, world_size)
+    monitor = Monitor(world_size, run_dir, output, timeout, display)
     procs: list[Any] = []
     context = mp.get_context(method)
     sys.stdout.flush()

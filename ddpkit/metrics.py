@@ -28,7 +28,10 @@ import torch.distributed as dist
 from ddpkit.files import atomic_write
 from ddpkit.runtime import RankContext
 
-PHASES = ("data_s", "h2d_s", "forward_s", "backward_s", "comm_s", "optimizer_s")
+PHASES = ("data_s", "h2d_s", "forward_s", "backward_s", "comm_s", "optimizer_s", "sync_s")
+"""Per-step phase times. ``comm_s`` is measured by :class:`CommTimer` and overlaps ``backward_s``;
+``sync_s`` is the step's own small collectives after the optimizer (the global loss all-reduce and,
+every few steps, the gather of sample ids for ``data_sha256``)."""
 
 
 class CommTimer:

@@ -26,7 +26,7 @@ import sys
 import time
 from typing import Any
 
-from ddpkit.failures import RankFailure, exit_failure
+from ddpkit.failures import RankFailure, exit_failure, own_frames
 
 POLL_S = 0.005  # parent poll period: adds at most this much latency to a launch
 KNOCK_ON_WINDOW_S = 1.0  # after the first failure, how long survivors get to report theirs
@@ -38,8 +38,9 @@ _LINE_END = re.compile(rb"\r\n|\n|\r")
 class Monitor:
     """Watches one launch's ranks (see the module docstring)."""
 
-    def __init__(self, world_size: int, run_dir: str, output: str, timeout: float) -> None:
+    def __init__(self, world_size: int, run_dir: str, output: str, timeout: float, display: Any = None) -> None:
         self.world_size, self.run_dir, self.output, self.timeout = world_size, run_dir, output, timeout
+        self.display = display  # a ddpkit.progress.Display, polled between passes
         self.logs: dict[int, Any] = {}
         self.pending: dict[int, tuple[bytes, float, int]] = {}  # rank -> (unended text, last change, bytes shown)
 
@@ -53,6 +54,8 @@ class Monitor:
         first_failure_at = None
         while True:
             self.relay()
+            if self.display is not None:
+                self.display.poll()
             now = time.monotonic()
             for rank, proc in enumerate(procs):
                 if rank in finished or rank in failures or proc.exitcode is None:
@@ -102,7 +105,7 @@ class Monitor:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(proc.pid, signal.SIGUSR1)  # faulthandler writes its stack to the log
             time.sleep(0.3)
-            stack = self.log_tail(rank, mark)
+            stack = own_frames(self.log_tail(rank, mark))
         return RankFailure(rank, kind, kind, why, stack, time.time())
 
     def log_size(self, rank: int) -> int:
@@ -147,6 +150,8 @@ class Monitor:
             self.pending[rank] = (text, since, shown)
         if wrote:
             sys.stdout.flush()
+            if self.display is not None:
+                self.display.note_output()
 
     def _emit(self, rank: int, text: bytes, end: str) -> bool:
         if not self.shows(rank):
@@ -161,6 +166,8 @@ class Monitor:
             if text:
                 self._emit(rank, text, "\n")
         sys.stdout.flush()
+        if self.display is not None:
+            self.display.close()
         for handle in self.logs.values():
             handle.close()
         self.logs.clear()

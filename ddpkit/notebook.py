@@ -1,4 +1,4 @@
-"""Helpers for the notebooks: pick a runtime that can work here, and record results for the tests.
+"""Helpers for the notebooks: pick a runtime, give each cell a fresh folder, stream commands, record results.
 
 ``record(name, value)`` stores a JSON value in the cell's outputs under a ddpkit MIME type (front
 ends show nothing for it; papermill keeps it), so ``tests/test_notebooks.py`` can read back what the
@@ -9,7 +9,13 @@ from __future__ import annotations
 
 import json
 import os
+import queue
+import shutil
+import subprocess
 import sys
+import threading
+import time
+from pathlib import Path
 
 import torch
 
@@ -47,7 +53,7 @@ def record(name: str, value) -> None:
     except ImportError:
         get_ipython = None
     if get_ipython is not None and get_ipython() is not None:
-        display({RESULT_MIME: payload, "text/plain": f"recorded {name}"}, raw=True)
+        display({RESULT_MIME: payload}, raw=True)  # no text/plain: front ends show nothing
     else:
         print(f"recorded {name}: {json.dumps(value)[:200]}")
 
@@ -61,3 +67,59 @@ def read_records(notebook: dict) -> dict:
             if payload:
                 found[payload["name"]] = payload["value"]
     return found
+
+
+def fresh_dir(path: str | os.PathLike) -> Path:
+    """``path`` as an empty folder: whatever an earlier run of the cell left there is removed first, so a
+    cell that trains or saves can be run again (or after Restart and Run All) and sees no stale files."""
+    path = Path(path)
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+    return path
+
+
+def requires(namespace: dict, *names: str, cell: str) -> None:
+    """Raise a clear NameError when a cell runs before the one that defines ``names``.
+
+    ``requires(globals(), "ck", "straight", cell="What a checkpoint holds")`` at the top of a cell says
+    which earlier cell to run, instead of a bare ``NameError: name 'ck' is not defined``.
+    """
+    missing = [n for n in names if n not in namespace]
+    if missing:
+        raise NameError(f"run the cell under '{cell}' first: this one uses {', '.join(missing)} from it")
+
+
+def run_command(argv: list[str], *, env: dict | None = None, timeout: float = 180.0,
+                show=lambda line: True) -> subprocess.CompletedProcess:
+    """Run a command and print its output line by line while it runs, in the order it was written.
+
+    stdout and stderr share one pipe (so their lines interleave exactly as written) and Python children
+    are unbuffered. ``show(line)`` picks which lines to print; all of them are returned (as ``stdout``).
+    Raises ``subprocess.TimeoutExpired`` after killing the command if it runs past ``timeout`` seconds.
+    """
+    env = {**(os.environ if env is None else env), "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            bufsize=1, errors="replace")
+    lines: queue.Queue = queue.Queue()
+
+    def pump():
+        for line in proc.stdout:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+    deadline, seen = time.monotonic() + timeout, []
+    while True:
+        try:
+            line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            proc.kill()
+            proc.wait()
+            raise subprocess.TimeoutExpired(argv, timeout, output="".join(seen)) from None
+        if line is None:
+            break
+        seen.append(line)
+        if show(line):
+            print(line, end="", flush=True)
+    proc.wait()
+    return subprocess.CompletedProcess(argv, proc.returncode, "".join(seen), "")

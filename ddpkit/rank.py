@@ -27,9 +27,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ddpkit import runtime
+from ddpkit import progress, runtime
 from ddpkit.errors import UserError
-from ddpkit.failures import raised_in_collective
+from ddpkit.failures import knock_on_line, raised_in_collective
 from ddpkit.files import write_atomic
 
 FORK_WARNING = r".*multi-threaded, use of fork\(\) may lead to deadlocks"
@@ -48,6 +48,9 @@ def rank_main(fn, args, kwargs, rank: int, spec: dict) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(spec["port"]), DDPKIT_LAUNCHED="1")
+    os.environ.pop(progress.ENV_FILE, None)
+    if rank == 0 and spec.get("progress_file"):
+        os.environ[progress.ENV_FILE] = spec["progress_file"]  # the trainer reports its steps there
     try:
         ctx = runtime.RankContext(rank, rank, world_size, world_size, spec["backend"],
                                   runtime.device_for(spec["backend"], rank))
@@ -61,7 +64,10 @@ def rank_main(fn, args, kwargs, rank: int, spec: dict) -> None:
                   "traceback": traceback.format_exc(), "in_collective": raised_in_collective(exc),
                   "user_error": isinstance(exc, UserError)}
         write_atomic(os.path.join(run_dir, f"rank{rank}.error.json"), json.dumps(record).encode())
-        sys.stderr.write(record["traceback"])
+        if record["in_collective"]:  # a peer went away: one line; the traceback is in the error record
+            sys.stderr.write(f"{knock_on_line(exc)} (traceback: rank{rank}.error.json)\n")
+        else:
+            sys.stderr.write(record["traceback"])
         _flush_and_exit(1)
     _flush_and_exit(0)
 

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 from torch.utils.data import DataLoader, default_collate
 
-from ddpkit import checkpoint, metrics, state
+from ddpkit import checkpoint, metrics, progress, state
 from ddpkit.checkpoint import CheckpointError
 from ddpkit.config import TrainConfig
 from ddpkit.data import ResumableDistributedSampler, build_dataset
@@ -66,8 +66,7 @@ class Trainer:
         self.optimizer = self.strategy.build_optimizer(self.raw_model, lr_at(cfg, 0), cfg.weight_decay)
         self.scaler = torch.amp.GradScaler(ctx.device.type, enabled=cfg.amp == "fp16")
         self.dataset = build_dataset(cfg)
-        self.sampler = ResumableDistributedSampler(len(self.dataset), ctx.dp_size, ctx.dp_rank,
-                                                   cfg.global_batch_size, cfg.seed)
+        self.sampler = self.build_sampler()
         self.loader_gen = torch.Generator()  # keeps the DataLoader off the global RNG
         workers = cfg.num_workers > 0
         self.loader = DataLoader(self.dataset, batch_size=cfg.micro_batch_size, sampler=self.sampler,
@@ -79,9 +78,10 @@ class Trainer:
         self.resumed_from, self.losses, self.phase_totals = 0, [], dict.fromkeys(metrics.PHASES, 0.0)
         self.timer = PhaseTimer(ctx.device)
         self.log = metrics.MetricsLogger(ctx, cfg.metrics_dir, cfg.log_every)
+        self.progress = progress.Reporter.from_env(ctx.is_main)  # live view in the launching notebook
         self.hooks = [FaultInjection(cfg, attempt), *(hooks or [])]
         if cfg.checkpoint_dir:
-            self.hooks.append(CheckpointEvery(cfg.checkpoint_every, cfg.steps))
+            self.hooks.append(CheckpointEvery(cfg.checkpoint_every, cfg.steps, cfg.checkpoint_every_s))
         self._batches = None
         self._probe = None  # built on first use: a run that never saves or restores never loads it
         self.comm = self.strategy.comm_timer(self.model)
@@ -90,6 +90,11 @@ class Trainer:
             self.log.event("checkpoint_restored", self.step, path=os.path.basename(path), attempt=attempt)
 
     # ------------------------------------------------------------------ data
+
+    def build_sampler(self) -> ResumableDistributedSampler:
+        """This data-parallel rank's share of the global sample stream (override to study a broken one)."""
+        return ResumableDistributedSampler(len(self.dataset), self.ctx.dp_size, self.ctx.dp_rank,
+                                           self.cfg.global_batch_size, self.cfg.seed)
 
     def next_micro_batch(self) -> dict:
         """The next micro-batch; at an epoch boundary, an iterator for the next epoch from ``consumed``."""
@@ -196,12 +201,14 @@ class Trainer:
                 micro_batches.append(self.next_micro_batch())
         loss_sum, ids = train_step(self.model, self.optimizer, self.scaler, micro_batches, cfg, ctx.device,
                                    self.timer, self.strategy)
-        total_loss = global_loss_sum(ctx, loss_sum)
+        with self.timer("sync_s"):  # the step's own small collectives, so "the rest" is accounted for
+            total_loss = global_loss_sum(ctx, loss_sum)
         self.step += 1
         self.consumed += cfg.global_batch_size
         self._unhashed_ids.append(ids)
         if len(self._unhashed_ids) >= DATA_HASH_EVERY:
-            self.fold_data_hash()
+            with self.timer("sync_s"):
+                self.fold_data_hash()
         phases = {p: self.timer.seconds.get(p, 0.0) for p in metrics.PHASES if p != "comm_s"}
         phases["comm_s"] = self.comm.seconds
         result = StepResult(self.step, total_loss / cfg.global_batch_size, loss_sum / len(ids), lr, ids,
@@ -216,6 +223,7 @@ class Trainer:
                       lr=result.lr, step_time_s=result.step_time_s, samples_per_s=cfg.global_batch_size / result.step_time_s,
                       comm_calls=result.comm_calls, comm_bytes=result.comm_bytes, checkpoint_s=result.checkpoint_s,
                       **result.phases)
+        self.progress.step(result.step, cfg.steps, result.loss)
         return result
 
     def fold_data_hash(self) -> str:
@@ -257,6 +265,7 @@ class Trainer:
     def close(self) -> None:
         """Close the logs and shut DataLoader workers down now (not when the garbage collector gets to it)."""
         self.log.close()
+        self.progress.close()
         self._batches = self.loader = None
 
     def summary(self) -> dict:

@@ -137,7 +137,7 @@ def test_a_resume_that_would_change_training_is_one_line_before_any_rank_starts(
     summary("first", "--steps", "4", "--checkpoint-dir", ck)
     proc = run_cli("train", "--steps", "8", "--checkpoint-dir", ck, "--resume", "--lr", "0.01", timeout=60)
     assert proc.returncode == 2 and "[rank" not in proc.stdout
-    assert proc.stderr.strip() == "ddpkit: error: resuming would change training (lr: 0.003 -> 0.01): use the " \
+    assert proc.stderr.strip() == "ddpkit: error: resuming would change training (lr: 0.001 -> 0.01): use the " \
                                   "checkpoint's values or start a new --checkpoint-dir"
 
 

@@ -3,7 +3,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 from ddpkit.data import (HandbookResumeSampler, MarkovTokens, ResumableDistributedSampler,
-                         TeacherClassification, assert_partition, check_partition)
+                         TemplateClassification, assert_partition, check_partition)
 
 N = 200
 
@@ -80,7 +80,7 @@ def test_handbook_sampler_counts_prefetched_samples_as_trained():
 
 
 def test_datasets_are_deterministic_and_learnable_shaped():
-    a, b = TeacherClassification(64, 16, 4, seed=1), TeacherClassification(64, 16, 4, seed=1)
+    a, b = TemplateClassification(64, 16, 4, seed=1), TemplateClassification(64, 16, 4, seed=1)
     assert torch.equal(a.features, b.features) and torch.equal(a.labels, b.labels)
     assert len(set(a.labels.tolist())) > 1
     item = MarkovTokens(8, 64, 16, seed=1)[3]

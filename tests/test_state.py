@@ -29,7 +29,7 @@ def test_resume_that_changes_training_is_refused_with_the_fix():
     state.check_compatible(state.meta(saved), saved.replace(world_size=1, micro_batch_size=16, steps=99))
     with pytest.raises(CheckpointError, match="keep micro x accum x world = 16"):
         state.check_compatible(state.meta(saved), saved.replace(world_size=1))
-    with pytest.raises(CheckpointError, match=r"lr: 0\.003 -> 0\.1"):
+    with pytest.raises(CheckpointError, match=r"lr: 0\.001 -> 0\.1"):
         state.check_compatible(state.meta(saved), saved.replace(lr=0.1))
 
 
