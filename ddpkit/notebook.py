@@ -123,3 +123,26 @@ def run_command(argv: list[str], *, env: dict | None = None, timeout: float = 18
             print(line, end="", flush=True)
     proc.wait()
     return subprocess.CompletedProcess(argv, proc.returncode, "".join(seen), "")
+
+
+def show_table(rows: list[dict], columns: list[str] | None = None) -> str:
+    """Show ``rows`` (dicts with the same keys) as a table: HTML in a notebook, aligned text otherwise.
+    Returns the text form."""
+    columns = columns or list(rows[0])
+    cells = [[str(row.get(c, "")) for c in columns] for row in rows]
+    widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]
+    text = "\n".join("  ".join(v.rjust(w) for v, w in zip(line, widths)) for line in [columns, *cells])
+    try:
+        from IPython import get_ipython
+        from IPython.display import display
+    except ImportError:
+        get_ipython = None
+    if get_ipython is not None and get_ipython() is not None:
+        from html import escape
+        head = "".join(f"<th>{escape(c)}</th>" for c in columns)
+        body = "".join("<tr>" + "".join(f"<td>{escape(v)}</td>" for v in line) + "</tr>" for line in cells)
+        display({"text/html": f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>",
+                 "text/plain": text}, raw=True)
+    else:
+        print(text)
+    return text
