@@ -1,0 +1,113 @@
+"""Every notebook, run again and again while other processes keep every core busy.
+
+``python benchmarks/notebook_soak.py [--runs N] [--notebooks 05 07]`` runs each notebook ``N`` times in a
+fresh kernel (headless: progress as text lines) with one busy-looping process per core beside it, and
+for each run records:
+
+* whether it passed: executed without an error **and** what it recorded passes the same checks as
+  ``tests/test_notebooks.py``;
+* its wall time;
+* the **longest silence**: the longest stretch inside one code cell without new output (from the cell's
+  start to its first output, between outputs, and from the last output to the cell's end). A learner
+  staring at a cell that says nothing for 20 s assumes it hung.
+
+Results go to ``benchmarks/results/notebook_soak.json``. Timing lessons must hold here: a notebook
+whose slowdowns were sized from a constant instead of a measured baseline fails under this load.
+"""
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import sys
+import time
+from pathlib import Path
+
+import nbformat
+from nbclient import NotebookClient
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _common import write_results  # noqa: E402
+from test_notebooks import CHECKS  # noqa: E402
+
+from ddpkit.notebook import read_records  # noqa: E402
+
+
+class TimedClient(NotebookClient):
+    """Executes a notebook and notes when each code cell started, wrote output, and ended."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.marks: dict[int, list[float]] = {}
+        self.on_cell_execute = lambda cell, cell_index: self.marks.setdefault(cell_index, []).append(time.monotonic())
+        self.on_cell_executed = lambda cell, cell_index, execute_reply: self.marks[cell_index].append(time.monotonic())
+
+    def output(self, outs, msg, display_id, cell_index):
+        self.marks.setdefault(cell_index, []).append(time.monotonic())
+        return super().output(outs, msg, display_id, cell_index)
+
+    def longest_silence(self) -> tuple[float, int]:
+        """(seconds, cell index) of the longest stretch without output inside one cell."""
+        gaps = [(max((b - a for a, b in zip(m, m[1:])), default=0.0), i) for i, m in self.marks.items()]
+        return max(gaps, default=(0.0, -1))
+
+
+def hog(stop) -> None:
+    """Keep one core busy until told to stop."""
+    x = 0
+    while not stop.is_set():
+        x = (x * 1103515245 + 12345) % 2**31
+
+
+def run_once(path: Path) -> dict:
+    nb = nbformat.read(path, as_version=4)
+    client = TimedClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}})
+    started = time.monotonic()
+    error = None
+    try:
+        client.execute()
+        CHECKS[path.name[:2]](read_records(json.loads(nbformat.writes(nb))))
+    except Exception as exc:  # noqa: BLE001 - a failed run is a result
+        error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:300] if str(exc).strip() else ''}"
+    silence, cell = client.longest_silence()
+    return {"ok": error is None, "error": error, "wall_s": round(time.monotonic() - started, 1),
+            "longest_silence_s": round(silence, 1), "silent_cell": cell}
+
+
+def main(runs: int = 10, notebooks: list[str] | None = None) -> dict:
+    os.environ["DDPKIT_PROGRESS"] = "text"
+    paths = [p for p in sorted((REPO / "notebooks").glob("[0-9][0-9]_*.ipynb")) if not notebooks or p.name[:2] in notebooks]
+    stop = mp.Event()
+    hogs = [mp.Process(target=hog, args=(stop,), daemon=True) for _ in range(os.cpu_count() or 1)]
+    for h in hogs:
+        h.start()
+    results = {}
+    try:
+        for path in paths:
+            results[path.stem] = [run_once(path) for _ in range(runs)]
+            done = results[path.stem]
+            print(f"{path.stem}: {sum(r['ok'] for r in done)}/{runs} passed, wall {min(r['wall_s'] for r in done)}-"
+                  f"{max(r['wall_s'] for r in done)} s, longest silence {max(r['longest_silence_s'] for r in done)} s",
+                  flush=True)
+            for r in done:
+                if not r["ok"]:
+                    print("   ", r["error"], flush=True)
+    finally:
+        stop.set()
+        for h in hogs:
+            h.join()
+    summary = {name: {"passed": sum(r["ok"] for r in rs), "runs": len(rs),
+                      "max_wall_s": max(r["wall_s"] for r in rs),
+                      "longest_silence_s": max(r["longest_silence_s"] for r in rs)} for name, rs in results.items()}
+    return write_results("notebook_soak", {"load": f"{len(hogs)} busy processes", "summary": summary, "runs": results})
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=10)
+    parser.add_argument("--notebooks", nargs="*", help="two-digit prefixes, e.g. 05 07 (default: all)")
+    args = parser.parse_args()
+    main(args.runs, args.notebooks)
