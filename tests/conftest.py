@@ -12,6 +12,9 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
+# Headless: notebook kernels started by this session (papermill, nbval) show progress as text lines.
+os.environ.setdefault("DDPKIT_PROGRESS", "text")
+
 
 def cli_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}

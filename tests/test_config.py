@@ -24,6 +24,8 @@ from ddpkit.config import TrainConfig, learned
     (dict(dataset_size=10**12), "more than half of this machine's"),
     (dict(hidden_width=10**6), "more than half of this machine's"),
     (dict(checkpoint_every=1), "--checkpoint-every needs --checkpoint-dir"),
+    (dict(checkpoint_every_s=30.0), "--checkpoint-every-s needs --checkpoint-dir"),
+    (dict(checkpoint_every_s=-1.0, checkpoint_dir="/tmp/x"), "checkpoint-every-s must be from 0"),
     (dict(num_workers=1000), "num-workers must be <= 32"),
     (dict(data_delay_s=-1.0), "data-delay-s must be in"),
     (dict(steps="40"), "steps must be a whole number"),

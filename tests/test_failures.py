@@ -1,10 +1,12 @@
 """Root cause vs knock-on: decided by what a rank was doing, not by the words of its message."""
 
+import os
 import signal
 
 import pytest
 
-from ddpkit.failures import LaunchError, RankFailure, exit_failure, pick_root_cause, raised_in_collective
+from ddpkit.failures import (LaunchError, RankFailure, brief, exit_failure, own_frames, pick_root_cause,
+                             raised_in_collective)
 
 PEER_GONE = "[pair.cc:537] Read error [127.0.0.1]:4242: Connection reset by peer"
 
@@ -87,3 +89,36 @@ def test_report_separates_cause_knock_on_and_stopped():
 def test_no_failures_is_a_programming_error():
     with pytest.raises(ValueError):
         pick_root_cause([])
+
+
+GLOO_CALLBACK = ("Got the following error when running the callback: RuntimeError: [/__w/pytorch/pytorch/third_party/"
+                 "gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:37794: Connection reset by peer. This is "
+                 "typically caused by the peer crashing\n\nAt:\n  /x/ddpkit/metrics.py(88): done")
+
+
+def test_a_knock_on_message_is_cut_to_its_first_meaningful_line():
+    assert brief(GLOO_CALLBACK) == "Read error [127.0.0.1]:37794: Connection reset by peer (pair.cc)"
+    timeout = "[/__w/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 3000ms for recv"
+    assert brief(timeout) == "Timed out waiting 3000ms for recv (unbound_buffer.cc)"
+    assert brief("plain message") == "plain message"
+    knock_on = RankFailure(0, "raised", "RuntimeError", GLOO_CALLBACK, knock_on=True)
+    cause = RankFailure(1, "raised", "RuntimeError", GLOO_CALLBACK)
+    assert "\n" not in knock_on.headline() and "This is typically" not in knock_on.headline()
+    assert cause.headline().endswith("done"), "a root cause keeps its whole message"
+
+
+def test_a_stall_stack_keeps_the_ranks_frames_and_drops_the_launching_process():
+    stack = "\n".join([
+        "Timeout (0:00:05)!", "Thread 0x1 (most recent call first):",
+        '  File "/home/me/nb.py", line 5 in never', f'  File "/x/ddpkit{os.sep}rank.py", line 55 in rank_main',
+        '  File "/usr/lib/python3.11/multiprocessing/process.py", line 108 in run',
+        '  File "/x/ipykernel/kernelapp.py", line 700 in start', "", "Thread 0x2 (most recent call first):",
+        '  File "/x/threading.py", line 320 in wait'])
+    kept = own_frames(stack)
+    assert "in never" in kept and "rank_main" in kept and "kernelapp" not in kept and "process.py" not in kept
+    assert "2 frame(s) of the launching process omitted" in kept and "threading.py" in kept, kept
+
+
+def test_a_killed_rank_names_its_signal_once():
+    killed = exit_failure(1, -signal.SIGKILL, 0.0)
+    assert killed.headline().count("SIGKILL") == 1 and "OOM" in killed.headline()

@@ -1,11 +1,13 @@
 """Trainer invariants, proved by comparison on real gloo ranks."""
 
+import time
+
 import pytest
 import torch
 
 import ddpkit
 from ddpkit import checkpoint, metrics, train
-from ddpkit.hooks import Hook
+from ddpkit.hooks import CheckpointEvery, Hook
 from ddpkit.config import TrainConfig
 from ddpkit.launch import launch
 from ddpkit.models import build_model, loss_fn
@@ -259,3 +261,36 @@ def test_rerunning_into_a_folder_of_newer_checkpoints_is_refused_not_corrupted(t
     fresh = run(2, steps=10, checkpoint_dir=str(tmp_path), checkpoint_every=5, overwrite_checkpoints=True)[0]
     assert fresh["param_sha256"] == run(2, steps=10)[0]["param_sha256"]
     assert [checkpoint.step_of(p) for p in checkpoint.list_checkpoints(tmp_path)] == [10, 5]
+
+
+def clocks_disagree(ctx, cfg):
+    """Each rank's own clock says something else about the time since the last save; rank 0's wins."""
+    trainer = Trainer(ctx, cfg)
+    hook = next(h for h in trainer.hooks if isinstance(h, CheckpointEvery))
+    hook.last_save = time.monotonic() - (0.0 if ctx.rank == 0 else 3600.0)  # rank 1 thinks a save is long due
+    return hook.time_is_due(trainer)
+
+
+def test_a_time_based_save_is_decided_by_rank_0_for_every_rank(tmp_path):
+    cfg = TrainConfig(world_size=2, checkpoint_dir=str(tmp_path), checkpoint_every_s=60.0, **SMALL)
+    assert launch(clocks_disagree, cfg, world_size=2, output="none") == [False, False]
+
+
+def test_a_time_based_cadence_saves_by_the_clock_on_every_rank_together(tmp_path):
+    """Steps get slower half-way (a straggler): a step cadence spreads its saves out in time, a time
+    cadence saves more often; every rank logs the same saves and the run ends without a hang."""
+    cfg = TrainConfig(world_size=2, checkpoint_dir=str(tmp_path / "ck"), metrics_dir=str(tmp_path / "m"),
+                      checkpoint_every_s=0.15, fail_mode="slow", fail_rank=1, fail_at_step=6, slow_step_s=0.08,
+                      **SMALL)
+    launch(train.run, cfg, world_size=2, output="none")
+    saves = metrics.read_metrics(str(tmp_path / "m"), event="checkpoint_saved")
+    by_rank = [[e["step"] for e in saves if e["rank"] == r] for r in range(2)]
+    assert by_rank[0] == by_rank[1], "the same saves on every rank"
+    slow_steps = [s for s in by_rank[0] if s > 6]
+    assert len(slow_steps) >= 3 and by_rank[0][-1] == cfg.steps, by_rank[0]  # 0.08 s steps: a save every ~2 steps
+
+
+def test_the_default_task_visibly_learns_in_40_steps():
+    losses = [x["loss"] for x in launch(train.run, TrainConfig(world_size=1), world_size=1, output="none")[0]["losses"]]
+    first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
+    assert len(losses) == 40 and last < 0.5 * first, (first, last)

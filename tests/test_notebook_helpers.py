@@ -1,0 +1,40 @@
+"""The notebooks' helpers: fresh folders, clear dependency errors, streamed commands, tables, records."""
+
+import subprocess
+import sys
+
+import pytest
+
+from ddpkit.notebook import fresh_dir, requires, run_command, show_table
+
+
+def test_fresh_dir_empties_what_an_earlier_run_left(tmp_path):
+    folder = fresh_dir(tmp_path / "ck")
+    (folder / "step-00000012").mkdir()
+    again = fresh_dir(tmp_path / "ck")
+    assert again == folder and list(again.iterdir()) == []
+
+
+def test_requires_names_the_cell_to_run_first():
+    with pytest.raises(NameError, match="run the cell under 'Kill a rank' first: this one uses ck"):
+        requires({"clean": 1}, "clean", "ck", cell="Kill a rank")
+    requires({"ck": 1}, "ck", cell="Kill a rank")
+
+
+def test_run_command_streams_both_streams_in_the_order_written(capsys):
+    code = ("import sys, time\nfor i in range(3):\n    print(f'out {i}', flush=True)\n"
+            "    print(f'err {i}', file=sys.stderr, flush=True)\n    time.sleep(0.05)\nsys.exit(3)")
+    proc = run_command([sys.executable, "-c", code], show=lambda line: "err" not in line)
+    assert proc.returncode == 3
+    assert proc.stdout.splitlines() == ["out 0", "err 0", "out 1", "err 1", "out 2", "err 2"]
+    assert capsys.readouterr().out.splitlines() == ["out 0", "out 1", "out 2"], "shown as it came, filtered"
+
+
+def test_run_command_kills_a_command_that_runs_too_long():
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_command([sys.executable, "-c", "import time; print('started', flush=True); time.sleep(30)"], timeout=1)
+
+
+def test_show_table_aligns_columns():
+    text = show_table([{"rank": 0, "device": "cpu"}, {"rank": 1, "device": "cuda:1"}])
+    assert text.splitlines() == ["rank  device", "   0     cpu", "   1  cuda:1"]

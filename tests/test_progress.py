@@ -1,0 +1,68 @@
+"""Live progress: rank 0 reports each step, the launching process shows it (text here; widgets in Jupyter)."""
+
+import json
+import time
+
+import pytest
+
+import ddpkit
+from ddpkit import progress, train
+from ddpkit.config import TrainConfig
+
+
+def test_the_trainer_reports_every_step_and_text_mode_shows_them(capsys, monkeypatch):
+    monkeypatch.setattr(progress, "TEXT_EVERY_S", 0.0)  # a line for every new batch of steps
+    ddpkit.launch(train.run, TrainConfig(steps=6), output="none", progress="text")
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("[ddpkit] step")]
+    assert lines and lines[-1].startswith("[ddpkit] step 6/6"), lines
+    steps = [int(ln.split()[2].split("/")[0]) for ln in lines]
+    assert steps == sorted(steps), "in step order"
+
+
+def test_text_mode_stays_quiet_while_the_ranks_speak(capsys):
+    ddpkit.launch(train.run, TrainConfig(steps=6, log_every=1), output="rank0", progress="text")
+    assert "[ddpkit] step" not in capsys.readouterr().out, "rank 0's own table already shows progress"
+
+
+def test_a_silent_function_gets_a_heartbeat(capsys, monkeypatch):
+    monkeypatch.setattr(progress, "HEARTBEAT_S", 0.3)
+    ddpkit.launch(_sleep, 1.0, output="none", progress="text")
+    assert "rank(s) running" in capsys.readouterr().out
+
+
+def _sleep(ctx, seconds):
+    time.sleep(seconds)
+
+
+def test_off_means_no_progress_file_and_no_lines(capsys, tmp_path):
+    ddpkit.launch(train.run, TrainConfig(steps=4), output="none", progress="off", log_dir=str(tmp_path))
+    assert not (tmp_path / "progress.jsonl").exists() and "[ddpkit]" not in capsys.readouterr().out
+
+
+def test_the_progress_file_holds_one_line_per_step(tmp_path):
+    ddpkit.launch(train.run, TrainConfig(steps=5), output="none", progress="text", log_dir=str(tmp_path))
+    events = [json.loads(line) for line in (tmp_path / "progress.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in events] == [1, 2, 3, 4, 5] and all(e["total"] == 5 for e in events)
+
+
+def test_mode_comes_from_the_environment_and_bad_values_name_the_variable(monkeypatch):
+    monkeypatch.setenv(progress.ENV_MODE, "text")
+    assert progress.resolve_mode("auto") == "text" and progress.resolve_mode("off") == "off"
+    monkeypatch.setenv(progress.ENV_MODE, "loud")
+    with pytest.raises(ValueError, match=progress.ENV_MODE):
+        progress.resolve_mode("auto")
+    monkeypatch.delenv(progress.ENV_MODE)
+    assert progress.resolve_mode("auto") == "off", "a plain Python process: the CLI prints its own table"
+
+
+def test_a_bad_mode_is_refused_before_any_rank_starts():
+    with pytest.raises(ValueError, match="progress must be one of"):
+        ddpkit.launch(_sleep, 0, progress="loud")
+
+
+def test_the_loss_plot_draws_every_point_between_labelled_axes():
+    svg = progress.loss_svg([1, 2, 3, 4], [2.0, 1.5, 1.2, 1.0], total=10)
+    points = svg.split('points="')[1].split('"')[0].split()
+    assert len(points) == 4 and "optimizer step" in svg and ">loss<" in svg and ">2<" in svg and ">10<" in svg
+    ys = [float(p.split(",")[1]) for p in points]
+    assert ys == sorted(ys), "a falling loss is drawn going down (SVG y grows downwards)"
