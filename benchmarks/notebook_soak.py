@@ -19,6 +19,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -71,7 +72,8 @@ def run_once(path: Path) -> dict:
         client.execute()
         CHECKS[path.name[:2]](read_records(json.loads(nbformat.writes(nb))))
     except Exception as exc:  # noqa: BLE001 - a failed run is a result
-        error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:300] if str(exc).strip() else ''}"
+        text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc)).strip()  # no terminal colours
+        error = f"{type(exc).__name__}: {text[-1500:]}"
     silence, cell = client.longest_silence()
     return {"ok": error is None, "error": error, "wall_s": round(time.monotonic() - started, 1),
             "longest_silence_s": round(silence, 1), "silent_cell": cell}
@@ -94,7 +96,7 @@ def main(runs: int = 10, notebooks: list[str] | None = None) -> dict:
                   flush=True)
             for r in done:
                 if not r["ok"]:
-                    print("   ", r["error"], flush=True)
+                    print("    " + r["error"].replace("\n", "\n    "), flush=True)
     finally:
         stop.set()
         for h in hogs:
