@@ -90,14 +90,16 @@ def requires(namespace: dict, *names: str, cell: str) -> None:
 
 
 def run_command(argv: list[str], *, env: dict | None = None, timeout: float = 180.0,
-                show=lambda line: True) -> subprocess.CompletedProcess:
+                show=lambda line: True, heartbeat_s: float = 4.0) -> subprocess.CompletedProcess:
     """Run a command and print its output line by line while it runs, in the order it was written.
 
     stdout and stderr share one pipe (so their lines interleave exactly as written) and Python children
     are unbuffered. ``show(line)`` picks which lines to print; all of them are returned (as ``stdout``).
+    After ``heartbeat_s`` seconds without a line, a short "still running" line says the cell is alive.
     Raises ``subprocess.TimeoutExpired`` after killing the command if it runs past ``timeout`` seconds.
     """
     env = {**(os.environ if env is None else env), "PYTHONUNBUFFERED": "1"}
+    started = time.monotonic()
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             bufsize=1, errors="replace")
     lines: queue.Queue = queue.Queue()
@@ -108,11 +110,15 @@ def run_command(argv: list[str], *, env: dict | None = None, timeout: float = 18
         lines.put(None)
 
     threading.Thread(target=pump, daemon=True).start()
-    deadline, seen = time.monotonic() + timeout, []
+    deadline, seen = started + timeout, []
     while True:
+        left = deadline - time.monotonic()
         try:
-            line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            line = lines.get(timeout=max(0.0, min(left, heartbeat_s)))
         except queue.Empty:
+            if time.monotonic() < deadline:
+                print(f"... still running ({time.monotonic() - started:.0f} s)", flush=True)
+                continue
             proc.kill()
             proc.wait()
             raise subprocess.TimeoutExpired(argv, timeout, output="".join(seen)) from None

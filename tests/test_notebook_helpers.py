@@ -38,3 +38,9 @@ def test_run_command_kills_a_command_that_runs_too_long():
 def test_show_table_aligns_columns():
     text = show_table([{"rank": 0, "device": "cpu"}, {"rank": 1, "device": "cuda:1"}])
     assert text.splitlines() == ["rank  device", "   0     cpu", "   1  cuda:1"]
+
+
+def test_run_command_says_it_is_alive_when_the_command_is_quiet(capsys):
+    proc = run_command([sys.executable, "-c", "import time; time.sleep(1.2); print('done')"], heartbeat_s=0.5)
+    out = capsys.readouterr().out.splitlines()
+    assert proc.stdout == "done\n" and out[-1] == "done" and any(line.startswith("... still running") for line in out[:-1])
