@@ -82,13 +82,11 @@ def brief(message: str) -> str:
         for prefix in _NOISE_PREFIXES:
             if line.startswith(prefix):
                 line, stripped = line[len(prefix):].strip(), True
+    for advice in (". This is typically caused by", ". This may indicate"):
+        line = line.partition(advice)[0]  # advice about the peer, not this rank
     source = _SOURCE_PATH.search(line)
     if source:
         line = (line[:source.start()] + line[source.end():]).strip() + f" ({source.group(1)})"
-    for advice in (". This is typically caused by", ". This may indicate"):
-        if advice in line:
-            head, _, tail = line.partition(advice)
-            line = head + (f" ({source.group(1)})" if source and not head.endswith(")") else "")
     return line
 
 
@@ -183,7 +181,7 @@ class LaunchError(RuntimeError):
         super().__init__(self.render())
 
     @classmethod
-    def from_failures(cls, failures: list[RankFailure], log_dir: str = "") -> "LaunchError":
+    def from_failures(cls, failures: list[RankFailure], log_dir: str = "") -> LaunchError:
         root = pick_root_cause(failures)
         others = sorted((f for f in failures if f is not root), key=lambda f: f.rank)
         return cls(root, others, log_dir)

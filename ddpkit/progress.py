@@ -27,6 +27,7 @@ from typing import Any
 ENV_FILE = "DDPKIT_PROGRESS_FILE"
 ENV_MODE = "DDPKIT_PROGRESS"
 MODES = ("widget", "text", "off")
+POLL_S = 0.1  # read the progress file at most this often (the monitor passes every few ms)
 REDRAW_S = 0.25  # widget redraws at most this often
 TEXT_EVERY_S = 2.0  # a text line after this long without other output
 HEARTBEAT_S = 4.0  # "still running" after this long with nothing to report
@@ -39,7 +40,7 @@ class Reporter:
         self.handle = open(path, "a", buffering=1) if path else None  # noqa: SIM115 - closed in close()
 
     @classmethod
-    def from_env(cls, is_main: bool) -> "Reporter":
+    def from_env(cls, is_main: bool) -> Reporter:
         return cls(os.environ.get(ENV_FILE) if is_main else None)
 
     def step(self, step: int, total: int, loss: float) -> None:
@@ -83,7 +84,7 @@ class Display:
     def __init__(self, path: str, mode: str, world_size: int) -> None:
         self.path, self.mode, self.world_size = path, mode, world_size
         self.started = self.last_output = time.monotonic()
-        self.last_draw = 0.0
+        self.last_draw = self.last_poll = 0.0
         self.steps: list[int] = []
         self.losses: list[float] = []
         self.total = 0
@@ -97,10 +98,11 @@ class Display:
         self.last_output = time.monotonic()
 
     def poll(self, final: bool = False) -> None:
-        if self.mode == "off":
-            return
-        fresh = self._read()
         now = time.monotonic()
+        if self.mode == "off" or (not final and now - self.last_poll < POLL_S):
+            return
+        self.last_poll = now
+        fresh = self._read()
         if self.mode == "widget":
             if (fresh or final) and self.losses and (final or now - self.last_draw > REDRAW_S):
                 self._draw_widget(final)
@@ -181,7 +183,7 @@ def loss_svg(steps: list[int], losses: list[float], total: int, width: int = 420
         return f"{x:.1f},{y:.1f}"
 
     points = " ".join(xy(s, v) for s, v in zip(steps, losses))
-    axis = f'stroke="#888" stroke-width="1"'
+    axis = 'stroke="#888" stroke-width="1"'
     return (f'<svg width="{width}" height="{height}" style="font: 11px sans-serif">'
             f'<text x="{width / 2}" y="13" text-anchor="middle">rank 0: global loss per step (live)</text>'
             f'<line x1="{left}" y1="{height - bottom}" x2="{width - right}" y2="{height - bottom}" {axis}/>'
