@@ -1,0 +1,254 @@
+"""Collectives from the wire up: a ring all-reduce built from ``send``/``recv``, and what collectives cost.
+
+**The ring.** N ranks sit in a circle; each talks only to its two neighbours. The buffer is cut into N
+chunks. *Reduce-scatter*: in N-1 steps every rank passes a partial sum of one chunk to its neighbour,
+which adds its own values and passes it on; afterwards rank r holds chunk r summed over all ranks.
+*All-gather*: in N-1 more steps the finished chunks travel round the circle until every rank has all
+of them. Every rank sends 2(N-1) messages of M/N bytes: **2(N-1)/N x M bytes per rank**, almost 2M
+however many ranks there are. That is why a ring all-reduce scales: the bytes per rank do not grow
+with N (the number of messages, and so the latency, does).
+
+Floating-point addition is not associative, so "the sum" depends on the order in which the ranks'
+values are added. :func:`ring_all_reduce` adds them in the order gloo's own ring does (chunk boundaries
+included), so its result is **bitwise** equal to ``dist.all_reduce`` on gloo, not merely close: the
+test that proves the ring correct can compare bits.
+
+**The cost.** nccl-tests reports two numbers per collective of M bytes taking t seconds:
+``algbw = M / t`` (what the caller sees) and ``busbw = algbw x factor``, the factor being the share of
+M each rank must move for that collective (2(N-1)/N for all-reduce, (N-1)/N for reduce-scatter and
+all-gather, 1 for broadcast), so busbw is comparable across collectives and world sizes and can be
+held against the hardware's limit. On one machine the "link" is memory, so the limit here is a memory
+copy's bandwidth, measured beside it (:func:`memcpy_bandwidth`). An **alpha-beta model**
+``t = alpha + M / bandwidth`` fitted to the measurements (:func:`fit_alpha_beta`) separates latency
+(small messages) from bandwidth (large ones) and predicts what more ranks would cost
+(:func:`ring_all_reduce_seconds`, :func:`scaling_efficiency`).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+BUS_FACTOR = {  # share of the message each rank must move, as nccl-tests defines busbw
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0,
+}
+COLLECTIVES = tuple(BUS_FACTOR)
+
+
+def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group=None) -> None:
+    """``dist.reduce_scatter_tensor`` (newer torch renames it and warns about the old name; the old name
+    is the one every supported version has)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        dist.reduce_scatter_tensor(output, input, group=group)
+
+
+def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group=None) -> None:
+    """``dist.all_gather_into_tensor``, without the rename warning of newer torch."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        dist.all_gather_into_tensor(output, input, group=group)
+
+
+# --------------------------------------------------------------------------- the ring, by hand
+
+def chunk_bounds(numel: int, world: int) -> list[tuple[int, int]]:
+    """Where the ring cuts a buffer of ``numel`` elements: gloo splits it into 2N equal segments
+    (rounded up), two per rank, so the last chunks may be shorter or empty."""
+    segment = math.ceil(numel / (2 * world))
+    return [(min(numel, 2 * r * segment), min(numel, 2 * (r + 1) * segment)) for r in range(world)]
+
+
+@dataclass
+class RingStats:
+    """What one rank put on the wire during a ring collective."""
+
+    messages: int = 0
+    bytes_sent: int = 0
+
+
+def _exchange(send: torch.Tensor, recv: torch.Tensor, to: int, frm: int, group, stats: RingStats) -> None:
+    """Send to one neighbour while receiving from the other (isend first, or two ranks would both block).
+    An empty chunk (a buffer shorter than 2N elements) is not sent at all: both of its ends know it is
+    empty, since they compute the same chunk bounds."""
+    request = None
+    if send.numel():
+        request = dist.isend(send.contiguous(), dist.get_global_rank(group, to) if group else to, group=group)
+        stats.messages += 1
+        stats.bytes_sent += send.numel() * send.element_size()
+    if recv.numel():
+        dist.recv(recv, dist.get_global_rank(group, frm) if group else frm, group=group)
+    if request is not None:
+        request.wait()
+
+
+def ring_reduce_scatter_(flat: torch.Tensor, group=None, stats: RingStats | None = None) -> tuple[int, int]:
+    """Phase 1, in place on a 1-D tensor: afterwards this rank's chunk holds the sum over all ranks
+    (the other chunks hold partial sums). Returns this rank's chunk bounds.
+
+    At step k rank r sends chunk r+1+k to rank r-1 and receives chunk r+2+k from rank r+1, adding its
+    own values to it; after N-1 steps the chunk it received last, chunk r, has met every rank.
+    """
+    stats = stats if stats is not None else RingStats()
+    n, r = dist.get_world_size(group), dist.get_rank(group)
+    bounds = chunk_bounds(flat.numel(), n)
+    left, right = (r - 1) % n, (r + 1) % n
+    for k in range(n - 1):
+        s0, s1 = bounds[(r + 1 + k) % n]
+        g0, g1 = bounds[(r + 2 + k) % n]
+        incoming = torch.empty(g1 - g0, dtype=flat.dtype, device=flat.device)
+        _exchange(flat[s0:s1], incoming, left, right, group, stats)
+        flat[g0:g1] += incoming  # partial sum so far + this rank's own values
+    return bounds[r]
+
+
+def ring_all_gather_(flat: torch.Tensor, group=None, stats: RingStats | None = None) -> None:
+    """Phase 2, in place: every rank starts owning its chunk and ends holding every rank's chunk. At
+    step k rank r passes chunk r+k to rank r-1 and receives chunk r+1+k from rank r+1."""
+    stats = stats if stats is not None else RingStats()
+    n, r = dist.get_world_size(group), dist.get_rank(group)
+    bounds = chunk_bounds(flat.numel(), n)
+    left, right = (r - 1) % n, (r + 1) % n
+    for k in range(n - 1):
+        s0, s1 = bounds[(r + k) % n]  # its own chunk first, then the one it received last
+        g0, g1 = bounds[(r + 1 + k) % n]
+        _exchange(flat[s0:s1], flat[g0:g1], left, right, group, stats)
+
+
+def ring_all_reduce(tensor: torch.Tensor, group=None) -> RingStats:
+    """Sum ``tensor`` over the group in place with a hand-written ring (reduce-scatter, then
+    all-gather), bitwise equal to gloo's ``dist.all_reduce``. Returns what this rank sent."""
+    stats = RingStats()
+    if dist.get_world_size(group) == 1:
+        return stats
+    flat = tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1).clone()
+    ring_reduce_scatter_(flat, group, stats)
+    ring_all_gather_(flat, group, stats)
+    if flat.data_ptr() != tensor.data_ptr():
+        tensor.copy_(flat.view_as(tensor))
+    return stats
+
+
+def ring_bytes_per_rank(nbytes: int, world: int) -> float:
+    """What the ring sends from each rank for an all-reduce of ``nbytes``: 2(N-1)/N x M."""
+    return 2 * (world - 1) / world * nbytes
+
+
+# --------------------------------------------------------------------------- measuring collectives
+
+def memcpy_bandwidth(nbytes: int = 64 * 2**20, repeats: int = 5) -> float:
+    """Bytes per second of a plain memory copy of ``nbytes`` on this machine (best of ``repeats``):
+    the ceiling for any collective between processes that share its memory."""
+    src = torch.ones(nbytes // 4)
+    dst = torch.empty_like(src)
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    return nbytes / best
+
+
+def run_collective(op: str, tensor: torch.Tensor, group=None, out: torch.Tensor | None = None) -> None:
+    """One call of a torch collective on a message of ``tensor``'s size (nccl-tests' conventions:
+    all_gather's message is the gathered output, reduce_scatter's the full input)."""
+    if op == "all_reduce":
+        dist.all_reduce(tensor, group=group)
+    elif op == "broadcast":
+        dist.broadcast(tensor, src=dist.get_global_rank(group, 0) if group else 0, group=group)
+    elif op == "reduce_scatter":
+        reduce_scatter_tensor(out, tensor, group)
+    elif op == "all_gather":
+        all_gather_into_tensor(tensor, out, group)
+    elif op == "ring_all_reduce":
+        ring_all_reduce(tensor, group)
+    else:
+        raise ValueError(f"unknown collective {op!r}: use one of {', '.join(COLLECTIVES)} or ring_all_reduce")
+
+
+def time_collective(op: str, nbytes: int, group=None, iters: int = 5, warmup: int = 1) -> float:
+    """Median seconds of one ``op`` on a message of ``nbytes`` (collective: every rank calls). Every
+    call starts from a barrier, so a rank that arrived late is not billed to the collective."""
+    n = dist.get_world_size(group)
+    numel = max(n, nbytes // 4 // n * n)
+    tensor = torch.ones(numel)
+    out = torch.empty(numel // n) if op in ("reduce_scatter", "all_gather") else None
+    times = []
+    for i in range(warmup + iters):
+        dist.barrier(group=group)
+        start = time.perf_counter()
+        run_collective(op, tensor, group, out)
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    # every rank reports the slowest rank's time: a collective is done when the last rank is
+    slowest = torch.tensor([statistics.median(times)], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+    return float(slowest)
+
+
+def bandwidths(op: str, nbytes: int, seconds: float, world: int) -> dict:
+    """algbw and busbw (bytes/s) of one measurement, as nccl-tests defines them."""
+    algbw = nbytes / seconds
+    factor = BUS_FACTOR["all_reduce" if op == "ring_all_reduce" else op](world)
+    return {"op": op, "bytes": nbytes, "seconds": seconds, "algbw": algbw, "busbw": algbw * factor}
+
+
+def benchmark(ctx, sizes: list[int], ops: tuple[str, ...] = COLLECTIVES, iters: int = 5) -> list[dict]:
+    """Time every ``op`` at every message size on the world (a function for ``ddpkit.launch``); every
+    rank returns the same rows: op, bytes, seconds, algbw, busbw, world."""
+    rows = []
+    for op in ops:
+        for nbytes in sizes:
+            seconds = time_collective(op, nbytes, None, iters)
+            rows.append({**bandwidths(op, nbytes, seconds, ctx.world_size), "world": ctx.world_size})
+    return rows
+
+
+# --------------------------------------------------------------------------- the alpha-beta model
+
+@dataclass(frozen=True)
+class AlphaBeta:
+    """``t = alpha + nbytes / bandwidth``: a fixed cost per call plus a cost per byte."""
+
+    alpha_s: float
+    """Latency: the time of an empty message."""
+    bandwidth: float
+    """Bytes per second once the message is large."""
+
+    def seconds(self, nbytes: float) -> float:
+        return self.alpha_s + nbytes / self.bandwidth
+
+
+def fit_alpha_beta(nbytes: list[float], seconds: list[float]) -> AlphaBeta:
+    """Least-squares fit of ``t = alpha + beta x M`` in relative error (every size counts, the small
+    ones included, which an absolute fit would ignore next to the large ones)."""
+    if len(nbytes) < 2:
+        raise ValueError("fitting alpha and beta needs at least two message sizes")
+    rows = torch.tensor([[1.0 / t, m / t] for m, t in zip(nbytes, seconds)], dtype=torch.float64)
+    alpha, beta = torch.linalg.lstsq(rows, torch.ones(len(nbytes), 1, dtype=torch.float64)).solution.flatten().tolist()
+    alpha, beta = max(alpha, 0.0), max(beta, 1e-18)
+    return AlphaBeta(alpha, 1.0 / beta)
+
+
+def ring_all_reduce_seconds(link: AlphaBeta, nbytes: float, world: int) -> float:
+    """The ring on ``world`` ranks over links described by ``link``: 2(N-1) messages of M/N bytes,
+    one after another: ``2(N-1) x alpha + 2(N-1)/N x M / bandwidth``."""
+    if world == 1:
+        return 0.0
+    return 2 * (world - 1) * link.alpha_s + ring_bytes_per_rank(nbytes, world) / link.bandwidth
+
+
+def scaling_efficiency(link: AlphaBeta, nbytes: float, compute_s: float, world: int, overlap: float = 0.0) -> float:
+    """Throughput on ``world`` ranks over ``world`` x one rank's: compute over compute plus the part of
+    the gradient all-reduce that is not hidden behind backward (``overlap`` = the hidden share)."""
+    exposed = (1 - overlap) * ring_all_reduce_seconds(link, nbytes, world)
+    return compute_s / (compute_s + exposed)
