@@ -7,9 +7,9 @@ checkpoint, and whether a resume may use it, is ``state.py``'s business). The pr
   ``manifest.json`` holding the sha256 and size of every file is written **last** (and fsynced), the
   folder is fsynced, renamed to ``step-N``, and its parent fsynced. A crash at any instant leaves a
   temporary folder that is never read, or a complete checkpoint: it cannot damage an older one.
-* **Pluggable writer**: :func:`prepare` makes the folder, any writer fills it (rank 0 with one
-  ``torch.save`` file today, :func:`write_torch`; every rank writing its own shards later), and
-  :func:`publish` seals it. Hashes are computed while the bytes are written, not by a second pass.
+* **Pluggable writer**: :func:`prepare` makes the folder, any writer fills it (``full``: rank 0 with
+  one ``torch.save`` file, :func:`write_torch`; ``dcp``: every rank writing its own shards,
+  ``sharded_checkpoint.py``), and :func:`publish` seals it. Hashes are computed while the bytes are written, not by a second pass.
 * **Verified**: "latest" means the newest checkpoint whose manifest verifies (well-formed, every file
   present with its size and sha256). A torn, altered or malformed one is skipped with a warning.
 * **Pruned safely**: the newest ``keep_last`` good checkpoints are kept, always including the one just
@@ -42,7 +42,9 @@ from ddpkit.files import FollowingHash, file_sha256, fsync_path
 MANIFEST = "manifest.json"
 STATE_FILE = "state.pt"
 FORMAT = 2  # manifest format this code writes; format 1 (no "writer" field) is still read
-WRITERS = {"full": (STATE_FILE,)}  # writer -> files its checkpoints must contain
+EXTRA_FILE = "extra.pt"  # dcp writer: everything but the sharded tensors
+DCP_METADATA = ".metadata"  # dcp writer: DCP's map of which chunk of which tensor lies in which file
+WRITERS = {"full": (STATE_FILE,), "dcp": (DCP_METADATA, EXTRA_FILE)}  # writer -> files its checkpoints must contain
 STEP_DIR = re.compile(r"^step-(\d{8,})$")
 _OLD_DIR = re.compile(r"^\.old-step-(\d{8,})-\d+$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
@@ -222,7 +224,7 @@ def read_manifest(path: str | Path) -> dict:
         if name not in files:
             raise CheckpointError(f"manifest does not list {name}")
     for name, info in files.items():
-        if not isinstance(name, str) or not name or "/" in name or "\\" in name or name.startswith("."):
+        if not isinstance(name, str) or not name or "/" in name or "\\" in name or (name.startswith(".") and name != DCP_METADATA):
             raise CheckpointError(f"manifest lists a file name that is not a plain name: {name!r}")
         if not isinstance(info, dict) or not isinstance(info.get("bytes"), int) or isinstance(info.get("bytes"), bool) \
                 or info["bytes"] < 0 or not isinstance(info.get("sha256"), str) or not _SHA256.match(info["sha256"]):

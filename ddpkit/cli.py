@@ -24,7 +24,7 @@ import warnings
 import torch.distributed as dist
 
 from ddpkit import checkpoint, runtime, state, train
-from ddpkit.config import AMP_MODES, FAIL_MODES, MODELS, TrainConfig
+from ddpkit.config import AMP_MODES, CHECKPOINT_FORMATS, FAIL_MODES, MODELS, STRATEGIES, TrainConfig
 from ddpkit.errors import UserError
 from ddpkit.failures import LaunchError, knock_on_line, raised_in_collective
 from ddpkit.launch import MAX_LOCAL_RANKS, launch
@@ -52,7 +52,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--amp", choices=AMP_MODES, default=d.amp)
     p.add_argument("--dataset-size", type=int, default=d.dataset_size)
     p.add_argument("--num-workers", type=int, default=d.num_workers)
+    p.add_argument("--strategy", choices=STRATEGIES, default=d.strategy,
+                   help="ddp replicates everything; zero1 / zero1-torch shard the optimizer state; fsdp2 shards all")
+    p.add_argument("--activation-checkpointing", action="store_true",
+                   help="recompute activations in backward instead of storing them")
     p.add_argument("--checkpoint-dir", default=None)
+    p.add_argument("--checkpoint-format", choices=CHECKPOINT_FORMATS, default=None,
+                   help="full: one file written by rank 0; dcp: shards from every rank (default: the resumed "
+                        "checkpoint's format, else dcp for fsdp2 and full otherwise)")
     p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every)
     p.add_argument("--checkpoint-every-s", type=float, default=d.checkpoint_every_s,
                    help="also save when this many seconds have passed since the last save")
@@ -85,7 +92,21 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
                          "use torchrun to span machines")
     fields = {k: v for k, v in vars(args).items() if k != "command"}
     fields["world_size"] = world_size if world_size is not None else TrainConfig.world_size
+    if fields["checkpoint_format"] is None:
+        fields["checkpoint_format"] = default_checkpoint_format(args)
     return TrainConfig(**fields)
+
+
+def default_checkpoint_format(args: argparse.Namespace) -> str:
+    """No --checkpoint-format given: a resume keeps the format of the checkpoint it resumes; a new run
+    uses dcp for fsdp2 (which can only save shards) and full otherwise."""
+    if args.resume and args.checkpoint_dir:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            newest = checkpoint.latest_good(args.checkpoint_dir, deep=False)
+        if newest is not None:
+            return checkpoint.read_manifest(newest).get("writer", "full")
+    return "dcp" if args.strategy == "fsdp2" else "full"
 
 
 def check_writable(path: str | None, what: str) -> None:
@@ -127,7 +148,12 @@ def check_before_launch(cfg: TrainConfig, attempt: int = 0) -> None:
         newest = checkpoint.latest_good(cfg.checkpoint_dir, deep=False)
     if newest is None:
         return
-    saved = checkpoint.read_manifest(newest)["meta"]
+    manifest = checkpoint.read_manifest(newest)
+    if manifest.get("writer", "full") != cfg.checkpoint_format:
+        raise ValueError(f"the newest checkpoint in {cfg.checkpoint_dir} ({newest.name}) was written with "
+                         f"--checkpoint-format {manifest.get('writer', 'full')}: resume with that format "
+                         f"(or leave --checkpoint-format out)")
+    saved = manifest["meta"]
     if attempt > 0 and not cfg.resume and saved.get("run_id") != state.run_id():
         # a torchrun restart resumes its own run's checkpoints, never another run's
         raise ValueError(state.foreign_checkpoints_message(cfg.checkpoint_dir))

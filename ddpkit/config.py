@@ -33,7 +33,8 @@ from ddpkit.parallel.dims import ParallelDims
 MODELS = ("mlp", "gpt")
 AMP_MODES = ("off", "bf16", "fp16")
 FAIL_MODES = ("raise", "exit", "kill", "hang", "slow")
-STRATEGIES = ("ddp",)
+STRATEGIES = ("ddp", "zero1", "zero1-torch", "fsdp2")
+CHECKPOINT_FORMATS = ("full", "dcp")
 MAX_SEED = 2**32 - 1  # numpy's limit; derived seeds (seed x 1,000,003 + epoch) stay inside torch's 64 bits
 MAX_WORKERS = 32
 MAX_DELAY_S = 60.0
@@ -105,7 +106,12 @@ class TrainConfig:
     pp: int = runtime(1)
     """Pipeline-parallel degree: ranks that split the layers into stages."""
     strategy: str = runtime("ddp")
-    """How the model, gradients and optimizer state are split across data-parallel ranks."""
+    """How the model, gradients and optimizer state are split across data-parallel ranks: ``ddp``
+    (replicate all), ``zero1`` (ours: shard the optimizer state), ``zero1-torch`` (PyTorch's
+    ZeroRedundancyOptimizer) or ``fsdp2`` (shard parameters, gradients and optimizer state)."""
+    activation_checkpointing: bool = runtime(False)
+    """Recompute each block's activations in backward instead of keeping them (same numbers, less
+    memory, more compute)."""
     micro_batch_size: int = runtime(8)
     """Samples per data-parallel rank per forward/backward."""
     grad_accum: int = runtime(1)
@@ -125,6 +131,9 @@ class TrainConfig:
     checkpoint_every_s: float = runtime(0.0)
     """Also save when this many seconds have passed since the last save (0 = off): bounds lost work in
     time. Rank 0's clock decides and broadcasts the decision each step, so every rank saves together."""
+    checkpoint_format: str = runtime("full")
+    """``full`` (rank 0 writes one file with the whole state) or ``dcp`` (every rank writes its shards
+    with torch.distributed.checkpoint; loads on another world size or strategy; needed for fsdp2)."""
     keep_last: int = runtime(3)
     """Keep this many newest good checkpoints."""
     resume: bool = runtime(False)
@@ -171,6 +180,12 @@ class TrainConfig:
         need(self.amp in AMP_MODES, f"unknown amp mode {self.amp!r}: use one of {', '.join(AMP_MODES)}")
         need(self.fail_mode in FAIL_MODES, f"unknown fail mode {self.fail_mode!r}: use one of {', '.join(FAIL_MODES)}")
         need(self.strategy in STRATEGIES, f"unknown strategy {self.strategy!r}: use one of {', '.join(STRATEGIES)}")
+        need(self.checkpoint_format in CHECKPOINT_FORMATS,
+             f"unknown checkpoint format {self.checkpoint_format!r}: use one of {', '.join(CHECKPOINT_FORMATS)}")
+        need(isinstance(self.activation_checkpointing, bool), "activation-checkpointing must be True or False")
+        need(not (self.strategy == "fsdp2" and self.checkpoint_dir and self.checkpoint_format == "full"),
+             "strategy fsdp2 keeps only a shard of each parameter on every rank: use --checkpoint-format dcp "
+             "(every rank writes its own shards)")
         for name in ("world_size", "tp", "pp", "micro_batch_size", "grad_accum", "dataset_size", "keep_last",
                      "input_width", "hidden_width", "num_classes", "vocab_size", "seq_len",
                      "d_model", "n_heads", "n_layers", "log_every"):

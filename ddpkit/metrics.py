@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -91,6 +92,20 @@ class CommTimer:
             return f.value()[0]
 
         return fut.then(done)
+
+    @contextlib.contextmanager
+    def timed(self, nbytes: int):
+        """Measure a blocking collective of ``nbytes`` run inside the block (a strategy without DDP's
+        hooks, e.g. ZeRO's reduce-scatter and all-gather, reports its communication this way)."""
+        started = self._now()
+        try:
+            yield
+        finally:
+            ended = self._now()
+            with self._lock:
+                self.calls += 1
+                self.bytes += nbytes
+                self._intervals.append((started, ended))
 
     @property
     def seconds(self) -> float:
@@ -203,6 +218,11 @@ def optimizer_sha256(optimizer: torch.optim.Optimizer | dict) -> str:
 def param_l2(model: torch.nn.Module) -> float:
     """Global L2 norm of all parameters (float64)."""
     return math.sqrt(sum(float(p.detach().double().pow(2).sum()) for p in model.parameters()))
+
+
+def state_l2(state_dict: dict[str, torch.Tensor]) -> float:
+    """Global L2 norm of a (full) model state dict's tensors, in key order (float64)."""
+    return math.sqrt(sum(float(t.detach().double().pow(2).sum()) for t in state_dict.values()))
 
 
 DATA_SHA256_START = hashlib.sha256(b"ddpkit-data").hexdigest()

@@ -12,6 +12,7 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
 from ddpkit.config import TrainConfig
 
@@ -27,7 +28,12 @@ class MLP(nn.Module):
             nn.Linear(hidden_width, num_classes),
         )
 
+    activation_checkpointing = False
+    """Keep only each layer's input in forward and recompute the rest in backward."""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.activation_checkpointing and torch.is_grad_enabled():
+            return checkpoint_sequential(self.net, 3, x, use_reentrant=False)  # (B, num_classes)
         return self.net(x)  # (B, input_width) -> (B, num_classes)
 
 
@@ -82,12 +88,18 @@ class TinyGPT(nn.Module):
                 std = 0.02 / math.sqrt(2 * n_layers) if name.endswith("proj.weight") else 0.02
                 nn.init.normal_(p, mean=0.0, std=std)
 
+    activation_checkpointing = False
+    """Keep only each block's input in forward and recompute the block in backward: activation memory
+    falls from every intermediate of every block to one (B, T, C) tensor per block, for one more
+    forward pass of the blocks (about a third more compute, since backward costs about two forwards)."""
+
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         B, T = idx.shape
         pos = torch.arange(T, device=idx.device)  # (T,)
         x = self.tok_emb(idx) + self.pos_emb(pos)  # (B, T, C)
+        recompute = self.activation_checkpointing and torch.is_grad_enabled()
         for block in self.blocks:
-            x = block(x)
+            x = checkpoint(block, x, use_reentrant=False) if recompute else block(x)
         return self.lm_head(self.ln_f(x))  # (B, T, vocab)
 
 
@@ -95,8 +107,11 @@ def build_model(cfg: TrainConfig) -> nn.Module:
     """The model a config names, initialised from ``cfg.seed`` (identical on every rank)."""
     torch.manual_seed(cfg.seed)
     if cfg.model == "mlp":
-        return MLP(cfg.input_width, cfg.hidden_width, cfg.num_classes)
-    return TinyGPT(cfg.vocab_size, cfg.seq_len, cfg.d_model, cfg.n_heads, cfg.n_layers)
+        model = MLP(cfg.input_width, cfg.hidden_width, cfg.num_classes)
+    else:
+        model = TinyGPT(cfg.vocab_size, cfg.seq_len, cfg.d_model, cfg.n_heads, cfg.n_layers)
+    model.activation_checkpointing = cfg.activation_checkpointing
+    return model
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:

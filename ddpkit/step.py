@@ -105,6 +105,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler:
             strategy.clip_grad_norm_(model, cfg.grad_clip)
         scaler.step(optimizer)  # skips the step if fp16 gradients overflowed
         scaler.update()
+        strategy.observe_gradients(model)
         optimizer.zero_grad(set_to_none=True)
     loss_sum = 0.0
     for s in sums:  # one host sync per step, summed in the same order and precision as it always was

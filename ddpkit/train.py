@@ -26,10 +26,9 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 from torch.utils.data import DataLoader, default_collate
 
-from ddpkit import checkpoint, metrics, progress, state
+from ddpkit import checkpoint, metrics, progress, sharded_checkpoint, state
 from ddpkit.checkpoint import CheckpointError
 from ddpkit.config import TrainConfig
 from ddpkit.data import ResumableDistributedSampler, build_dataset
@@ -86,7 +85,7 @@ class Trainer:
         self._probe = None  # built on first use: a run that never saves or restores never loads it
         self.comm = self.strategy.comm_timer(self.model)
         if cfg.checkpoint_dir and (path := self._agree_on_checkpoint_dir()):
-            self.restore(checkpoint.load(path), checkpoint.step_of(path), restore)
+            self.restore(self.read_checkpoint(path), checkpoint.step_of(path), restore)
             self.log.event("checkpoint_restored", self.step, path=os.path.basename(path), attempt=attempt)
 
     # ------------------------------------------------------------------ data
@@ -145,21 +144,36 @@ class Trainer:
         """Checkpoint now (every rank calls; rank 0 writes; all wait until it is durable). Returns (s, bytes)."""
         started, cfg = time.perf_counter(), self.cfg
         self.fold_data_hash()
-        model_state, optimizer_state = state.model_and_optimizer(self.model, self.optimizer)
         rngs = state.gather_rng_states(self.ctx.device)
-        probe, nbytes = self.probe_loss(), 0
-        if self.ctx.is_main:
-            meta = state.meta(cfg)
-            full = {"model": model_state, "optimizer": optimizer_state,
-                    "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else {},
-                    "sampler": self.sampler.state_dict(), "rng": rngs, "meta": meta,
-                    "train": {"step": self.step, "consumed_samples": self.consumed,
-                              "data_sha256": self.data_sha256, "probe_loss": probe}}
-            path = checkpoint.save(cfg.checkpoint_dir, self.step, full, cfg.keep_last, meta=meta)
-            nbytes = (path / checkpoint.STATE_FILE).stat().st_size
+        probe, nbytes, meta = self.probe_loss(), 0, state.meta(cfg)
+        extra = {"scaler": self.scaler.state_dict() if self.scaler.is_enabled() else {},
+                 "sampler": self.sampler.state_dict(), "rng": rngs, "meta": meta,
+                 "train": {"step": self.step, "consumed_samples": self.consumed,
+                           "data_sha256": self.data_sha256, "probe_loss": probe}}
+        if cfg.checkpoint_format == "dcp":  # every rank writes its own shards
+            model_state, optimizer_state = self.strategy.sharded_state_dicts(self.model, self.optimizer)
+            path = sharded_checkpoint.save(self.ctx, cfg.checkpoint_dir, self.step, model_state, optimizer_state,
+                                           extra, meta, cfg.keep_last)
+            if path is not None:
+                nbytes = sharded_checkpoint.folder_bytes(path)
+        else:  # rank 0 writes the whole state in one file
+            model_state, optimizer_state = self.strategy.state_dicts(self.model, self.optimizer)
+            if self.ctx.is_main:
+                full = {"model": model_state, "optimizer": optimizer_state, **extra}
+                path = checkpoint.save(cfg.checkpoint_dir, self.step, full, cfg.keep_last, meta=meta)
+                nbytes = (path / checkpoint.STATE_FILE).stat().st_size
         if self.ctx.is_distributed:
             dist.barrier(group=self.ctx.world_group)  # nobody runs ahead of a checkpoint that is not yet durable
         return time.perf_counter() - started, nbytes
+
+    def read_checkpoint(self, path: str) -> dict:
+        """A checkpoint's content, whichever writer made it (collective for dcp: every rank reads the
+        slices its own layout needs, into templates of that layout)."""
+        if not sharded_checkpoint.is_dcp(path):
+            return checkpoint.load(path)
+        model_state, optimizer_state = self.strategy.sharded_state_dicts(self.model, self.optimizer)
+        saved = sharded_checkpoint.load(self.ctx, path, model_state, optimizer_state)
+        return {**saved, "format": "dcp"}
 
     def restore(self, saved: dict, saved_at_step: int, mode: str = "full") -> None:
         """Check ``saved``, load it, check again. ``mode="weights"`` loads everything but the optimizer and
@@ -170,8 +184,11 @@ class Trainer:
                           set(self.raw_model.state_dict()), with_optimizer=full)
         if self.ctx.is_main and (note := state.torch_version_note(saved["meta"])):
             print(f"ddpkit: warning: {note}", file=sys.stderr, flush=True)
-        state.load_model_and_optimizer(self.model, self.optimizer if full else None, saved["model"],
-                                       saved["optimizer"] if full else None)
+        dcp = saved.get("format") == "dcp"
+        load = self.strategy.load_sharded_state_dicts if dcp else self.strategy.load_state_dicts
+        load(self.model, self.optimizer if full else None, saved["model"], saved["optimizer"] if full else None)
+        if dcp and not full:  # the dcp template created optimizer state; a weights-only restore starts it afresh
+            self.optimizer.state.clear()
         if full and self.scaler.is_enabled():
             self.scaler.load_state_dict(saved["scaler"])
         state.check_probe(saved, self.probe_loss())
@@ -274,13 +291,16 @@ class Trainer:
         self.fold_data_hash()
         ran = max(1, self.step - self.resumed_from)
         phase_means = metrics.reduce_across_ranks(ctx, {p: v / ran for p, v in self.phase_totals.items()})
+        model_state, optimizer_state = self.strategy.state_dicts(self.model, self.optimizer, rank0_only=False)
         summary = {
             "world_size": ctx.world_size, "backend": ctx.backend, "model": cfg.model, "strategy": cfg.strategy,
             "dp": ctx.dims.dp, "tp": ctx.dims.tp, "pp": ctx.dims.pp,
             "global_batch_size": cfg.global_batch_size, "steps": self.step, "losses": self.losses,
-            "param_sha256": metrics.state_sha256(get_model_state_dict(self.model)),
-            "param_l2": metrics.param_l2(self.raw_model), "data_sha256": self.data_sha256,
-            "optimizer_sha256": metrics.optimizer_sha256(get_optimizer_state_dict(self.model, self.optimizer)),
+            "param_sha256": metrics.state_sha256(model_state),
+            "param_l2": metrics.state_l2(model_state), "data_sha256": self.data_sha256,
+            "optimizer_sha256": metrics.optimizer_sha256(optimizer_state),
+            "state_bytes_per_rank": self.strategy.state_bytes(self.model, self.optimizer),
+            "checkpoint_format": cfg.checkpoint_format, "activation_checkpointing": cfg.activation_checkpointing,
             "resumed_from_step": self.resumed_from, "restarts": self.attempt, "config_digest": cfg.digest(),
             "phase_s": phase_means, "wall_s": time.perf_counter() - self.started, "rank": ctx.rank,
         }

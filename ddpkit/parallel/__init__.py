@@ -1,6 +1,6 @@
 """The parallelism plane: how the model, its gradients and its optimizer state are split across ranks.
 
-One file per strategy (``ddp.py``, ...), behind the small interface in ``base.py``; ``dims.py`` is the
+One file per strategy (``ddp.py``, ``zero.py``, ``fsdp.py``), behind the small interface in ``base.py``; ``dims.py`` is the
 parallel layout (dp x tp x pp) and its device mesh. :func:`build_strategy` maps a config's
 ``strategy`` name to one. Strategy modules are imported on demand, so that importing the layout (which
 the config does) stays cheap.
@@ -10,7 +10,12 @@ from __future__ import annotations
 
 import importlib
 
-STRATEGIES = {"ddp": "ddpkit.parallel.ddp:DDPStrategy"}  # name -> module:class
+STRATEGIES = {  # name -> module:class
+    "ddp": "ddpkit.parallel.ddp:DDPStrategy",
+    "zero1": "ddpkit.parallel.zero:ZeroStrategy",
+    "zero1-torch": "ddpkit.parallel.zero:TorchZeroStrategy",
+    "fsdp2": "ddpkit.parallel.fsdp:FSDPStrategy",
+}
 
 
 def build_strategy(name: str, ctx):

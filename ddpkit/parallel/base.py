@@ -12,7 +12,10 @@ stages). The trainer never asks *which* strategy it has; it calls, in this order
    (:meth:`Strategy.no_sync`) for all but the last, then :meth:`Strategy.clip_grad_norm_` and the
    optimizer step;
 5. :meth:`Strategy.comm_timer` gives a :class:`~ddpkit.metrics.CommTimer` that measures the
-   strategy's gradient communication.
+   strategy's gradient communication;
+6. :meth:`Strategy.state_dicts` / :meth:`Strategy.load_state_dicts` move the whole model and optimizer
+   state in and out, keyed by parameter name, whatever the sharding (what a ``full`` checkpoint holds);
+   :meth:`Strategy.state_bytes` measures what this rank holds.
 
 This base class is the single-replica behaviour (no communication at all), which is also what every
 strategy does on a data-parallel world of one.
@@ -72,3 +75,79 @@ class Strategy:
     def comm_timer(self, model: torch.nn.Module) -> CommTimer:
         """A timer of this strategy's gradient communication (none here: it reads zero)."""
         return CommTimer(self.ctx.device if self.ctx else None)
+
+    # ---------------------------------------------------------------- state in and out
+
+    def state_dicts(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    rank0_only: bool = True) -> tuple[dict, dict]:
+        """Full model and optimizer state dicts keyed by parameter name (collective: every rank calls).
+        ``rank0_only`` lets the other ranks return empty dicts where that saves work."""
+        from ddpkit.state import model_and_optimizer
+
+        return model_and_optimizer(model, optimizer, rank0_only)
+
+    def load_state_dicts(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+                         model_state: dict, optimizer_state: dict | None) -> None:
+        """Put full state dicts (from :meth:`state_dicts` of *any* strategy) back; optimizer None = weights only."""
+        from ddpkit.state import load_model_and_optimizer
+
+        load_model_and_optimizer(model, optimizer, model_state, optimizer_state)
+
+    def sharded_state_dicts(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+        """This rank's model and optimizer state as DCP saves it: keyed by parameter name, each tensor
+        as this rank holds it (a DTensor shard under FSDP; the whole tensor when replicated). Also the
+        template a dcp load fills in place, so the optimizer state is created if no step has run yet."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        return get_state_dict(model, optimizer)
+
+    def load_sharded_state_dicts(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+                                 model_state: dict, optimizer_state: dict | None) -> None:
+        """Put back what :meth:`sharded_state_dicts` gave, once a dcp load has filled it."""
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
+        if optimizer is None:
+            set_model_state_dict(model, model_state)
+        else:
+            set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
+
+    def observe_gradients(self, model: torch.nn.Module) -> None:
+        """Called once per step while gradients exist: remembers how many bytes of them this rank holds."""
+        held = sum(tensor_bytes(p.grad) for p in model.parameters() if p.grad is not None)
+        self.grad_bytes = max(getattr(self, "grad_bytes", 0), held)
+
+    def optimizer_bytes(self, optimizer: torch.optim.Optimizer) -> int:
+        """Bytes of optimizer state held on this rank."""
+        return sum(tensor_bytes(v) for entry in optimizer.state.values() for v in entry.values() if torch.is_tensor(v))
+
+    def state_bytes(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+        """What this rank holds, measured: parameters, gradients (the most seen in a step), optimizer state."""
+        return {"params": sum(tensor_bytes(p) for p in model.parameters()),
+                "grads": getattr(self, "grad_bytes", 0), "optimizer": self.optimizer_bytes(optimizer)}
+
+
+def tensor_bytes(tensor: torch.Tensor) -> int:
+    """Bytes this rank stores for ``tensor`` (a DTensor's local shard only)."""
+    if hasattr(tensor, "to_local"):
+        tensor = tensor.to_local()
+    return tensor.numel() * tensor.element_size()
+
+
+def _param_names(model: torch.nn.Module) -> list[str]:
+    """Parameter names in ``model.parameters()`` order: the order an optimizer built from it numbers them."""
+    return [name for name, p in model.named_parameters() if p.requires_grad]
+
+
+def fqn_optimizer_state(state_dict: dict, model: torch.nn.Module) -> dict:
+    """An optimizer state dict keyed by parameter index -> the same keyed by parameter name (the form
+    ``torch.distributed.checkpoint.state_dict`` uses, so every strategy's checkpoints look alike)."""
+    names = _param_names(model)
+    return {"state": {names[int(i)]: entry for i, entry in state_dict["state"].items()},
+            "param_groups": [{**g, "params": [names[int(i)] for i in g["params"]]} for g in state_dict["param_groups"]]}
+
+
+def index_optimizer_state(state_dict: dict, model: torch.nn.Module) -> dict:
+    """The reverse of :func:`fqn_optimizer_state`."""
+    index = {name: i for i, name in enumerate(_param_names(model))}
+    return {"state": {index[name]: entry for name, entry in state_dict["state"].items()},
+            "param_groups": [{**g, "params": [index[name] for name in g["params"]]} for g in state_dict["param_groups"]]}

@@ -1,0 +1,186 @@
+"""The ``dcp`` writer: every rank writes its own shards with ``torch.distributed.checkpoint`` (DCP).
+
+A ``full`` checkpoint is one file written by rank 0 after gathering everything to it: simple, but
+its size and time grow with the model and one rank does all the I/O. DCP instead has **every rank
+write what it owns**, plus a ``.metadata`` file (written by rank 0) that records, for every tensor,
+its full shape and which chunk of it lies at which offset of which file. Loading is planned against
+that map: a rank asks for the slices *it* now needs, whatever layout wrote them. That is **resharding**:
+a checkpoint written by 4 ranks with DDP loads on 2 ranks with FSDP2, and the reverse.
+
+The folder protocol is the one every ddpkit checkpoint follows (``checkpoint.py``): rank 0 makes a
+temporary folder, every rank writes into it, rank 0 adds ``extra.pt`` (sampler position, every rank's
+RNG states, optimizer hyper-parameters, identity) and a manifest with the sha256 of every file,
+written last, then renames the folder into place. A crash at any instant leaves a folder that is
+never read.
+
+Data, not code: DCP stores only tensors here (anything else would be pickled, and DCP loads pickled
+values with full unpickling); ``extra.pt`` is read with ``weights_only=True``; and DCP's own
+``.metadata`` (a pickle of its chunk map) is read with an unpickler that builds nothing but DCP's
+metadata classes and torch's sizes and dtypes (:class:`SafeReader`).
+
+``async_save`` (:class:`AsyncSave`) writes in a background thread while training goes on. Its
+background collectives must run on a process group of their own: on the default group they would
+interleave with training's collectives, and gloo pairs messages by order, so the two streams corrupt
+each other or crash.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from ddpkit import checkpoint
+from ddpkit.checkpoint import CheckpointError
+from ddpkit.files import file_sha256
+
+EXTRA_FILE = checkpoint.EXTRA_FILE
+METADATA_FILE = checkpoint.DCP_METADATA
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Builds DCP's metadata dataclasses, torch sizes, dtypes, layouts and plain containers; refuses the rest."""
+
+    def find_class(self, module: str, name: str):
+        if module.startswith("torch.distributed.checkpoint.") and name[:1].isupper():
+            return super().find_class(module, name)
+        if module == "torch":
+            value = getattr(torch, name, None)
+            if name == "Size" or isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
+                return value
+        if (module, name) in {("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"),
+                              ("builtins", "slice"), ("torch._utils", "_rebuild_tensor_v2")}:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of a DCP metadata file")
+
+
+class SafeReader(dcp.FileSystemReader):
+    """DCP's file reader with a metadata unpickler that cannot run code."""
+
+    def read_metadata(self, *args, **kwargs):
+        path = Path(self.path) / METADATA_FILE
+        try:
+            return _MetadataUnpickler(io.BytesIO(path.read_bytes())).load()
+        except (pickle.UnpicklingError, EOFError, AttributeError, ValueError) as exc:
+            raise CheckpointError(f"refusing {path}: {exc} (a checkpoint is data, not code)") from None
+
+
+def _world(ctx):
+    return ctx.world_group if ctx.is_distributed else None
+
+
+def _tensors(model_state: dict, optimizer_state: dict) -> dict:
+    """What DCP stores: tensors only, keyed by parameter name."""
+    return {"model": model_state, "optimizer": optimizer_state["state"]}
+
+
+def _agree_on_folder(ctx, root: str, step: int) -> Path:
+    tmp = [str(checkpoint.prepare(root, step)) if ctx.is_main else None]
+    if ctx.is_distributed:
+        dist.broadcast_object_list(tmp, src=0, group=ctx.world_group)
+    return Path(tmp[0])
+
+
+def seal(ctx, root: str, step: int, tmp: Path, extra: dict, meta: dict, keep_last: int) -> Path | None:
+    """Rank 0: write ``extra.pt``, hash every file, publish the folder. Returns it (None elsewhere)."""
+    if not ctx.is_main:
+        return None
+    files = {EXTRA_FILE: checkpoint.write_torch(tmp / EXTRA_FILE, extra)}
+    for path in sorted(tmp.iterdir()):
+        if path.name not in files:
+            files[path.name] = {"sha256": file_sha256(path), "bytes": path.stat().st_size}
+    return checkpoint.publish(root, step, tmp, files, meta, keep_last, writer="dcp")
+
+
+def save(ctx, root: str, step: int, model_state: dict, optimizer_state: dict, extra: dict, meta: dict,
+         keep_last: int = 3) -> Path | None:
+    """Write a dcp checkpoint (collective: every rank calls with its own, possibly sharded, state).
+    ``optimizer_state`` is keyed by parameter name; its ``param_groups`` go to ``extra.pt``."""
+    tmp = _agree_on_folder(ctx, root, step)
+    dcp.save(_tensors(model_state, optimizer_state), storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True),
+             process_group=_world(ctx))
+    final = seal(ctx, root, step, tmp, {**extra, "param_groups": optimizer_state["param_groups"]}, meta, keep_last)
+    if ctx.is_distributed:
+        dist.barrier(group=ctx.world_group)
+    return final
+
+
+def load(ctx, path: str | Path, model_state: dict, optimizer_state: dict) -> dict:
+    """Read a dcp checkpoint into this rank's templates (collective). ``model_state`` and
+    ``optimizer_state["state"]`` must hold tensors of this run's layout (sharded or not): DCP fills them
+    in place, reading whichever slices of whichever files this rank's shards need. Returns the same
+    ``saved`` dict a full checkpoint gives: model, optimizer, scaler, sampler, rng, meta, train."""
+    path = Path(path)
+    if ctx.is_main and (problem := checkpoint.verify(path)):
+        raise CheckpointError(f"checkpoint {path.name} does not verify: {problem}")
+    tensors = _tensors(model_state, optimizer_state)
+    dcp.load(tensors, storage_reader=SafeReader(str(path)), process_group=_world(ctx))
+    extra = torch.load(path / EXTRA_FILE, map_location="cpu", weights_only=True)
+    optimizer = {"state": tensors["optimizer"], "param_groups": extra.pop("param_groups")}
+    return {**extra, "model": tensors["model"], "optimizer": optimizer}
+
+
+def is_dcp(path: str | Path) -> bool:
+    """Whether a checkpoint folder was written by the dcp writer (its manifest says so)."""
+    return checkpoint.read_manifest(path).get("writer") == "dcp"
+
+
+class AsyncSave:
+    """``dcp.async_save`` with the folder protocol: training continues while the shards are written.
+
+    ``start`` snapshots the state (a copy: training will change the tensors in place) and hands it
+    to DCP's background thread, whose collectives use :attr:`group`, a gloo group of its own. The
+    folder is sealed (hashes, manifest, rename) once the write has finished: :meth:`poll` at a step
+    boundary, or :meth:`wait` before the next save and at the end.
+    """
+
+    def __init__(self, ctx) -> None:
+        self.ctx = ctx
+        self.group = dist.new_group(backend="gloo") if ctx.is_distributed else None  # collective
+        self.pending = None
+
+    def start(self, root: str, step: int, model_state: dict, optimizer_state: dict, extra: dict, meta: dict,
+              keep_last: int = 3) -> float:
+        """Begin a save; returns the seconds training was held up (the snapshot and the hand-over)."""
+        started = time.perf_counter()
+        self.wait()
+        tmp = _agree_on_folder(self.ctx, root, step)
+        snapshot = _tensors(_clone(model_state), {"state": _clone(optimizer_state["state"])})
+        future = dcp.async_save(snapshot, storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True),
+                                process_group=self.group)
+        extra = {**extra, "param_groups": optimizer_state["param_groups"]}
+        self.pending = (future, root, step, tmp, extra, meta, keep_last)
+        return time.perf_counter() - started
+
+    def poll(self) -> Path | None:
+        """Seal the pending save if its write has finished (no waiting)."""
+        if self.pending is not None and self.pending[0].done():
+            return self.wait()
+        return None
+
+    def wait(self) -> Path | None:
+        """Wait for the pending save and seal it."""
+        if self.pending is None:
+            return None
+        future, root, step, tmp, extra, meta, keep_last = self.pending
+        self.pending = None
+        future.result()  # rank 0's finishes last: DCP's coordinator writes .metadata after every rank's shards
+        return seal(self.ctx, root, step, tmp, extra, meta, keep_last)
+
+
+def _clone(tree):
+    if isinstance(tree, dict):
+        return {k: _clone(v) for k, v in tree.items()}
+    return tree.detach().clone() if torch.is_tensor(tree) else tree
+
+
+def folder_bytes(path: str | Path) -> int:
+    """Bytes of every file in a checkpoint folder."""
+    return sum(p.stat().st_size for p in Path(path).iterdir() if p.is_file())
+
+
