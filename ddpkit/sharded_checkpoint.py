@@ -47,16 +47,21 @@ class _MetadataUnpickler(pickle.Unpickler):
     """Builds DCP's metadata dataclasses, torch sizes, dtypes, layouts and plain containers; refuses the rest."""
 
     def find_class(self, module: str, name: str):
-        if module.startswith("torch.distributed.checkpoint.") and name[:1].isupper():
-            return super().find_class(module, name)
+        if module in ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem"):
+            value = super().find_class(module, name)
+            if isinstance(value, type):  # DCP's dataclasses and enums, never a function
+                return value
         if module == "torch":
             value = getattr(torch, name, None)
             if name == "Size" or isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
                 return value
-        if (module, name) in {("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"),
-                              ("builtins", "slice"), ("torch._utils", "_rebuild_tensor_v2")}:
+        if (module, name) in _ALLOWED:
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"{module}.{name} is not part of a DCP metadata file")
+
+
+_ALLOWED = {("collections", "OrderedDict"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
+            ("torch.serialization", "_get_layout")}  # _get_layout: a layout from its name
 
 
 class SafeReader(dcp.FileSystemReader):
