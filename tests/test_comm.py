@@ -1,7 +1,6 @@
 """The hand-written ring against gloo's all_reduce (bitwise), and the cost model's arithmetic."""
 
 import pytest
-import torch
 
 from ddpkit.launch import launch
 from ddpkit.parallel import comm
@@ -9,22 +8,9 @@ from ddpkit.parallel import comm
 SIZES = (1, 5, 12, 13, 100, 4096, 10_007, 262_147)  # some divide by 2, 3 and 4, some do not
 
 
-def _ring_vs_gloo(ctx, sizes):
-    out = []
-    for n in sizes:
-        g = torch.Generator().manual_seed(1000 * n + ctx.rank)
-        mine = torch.randn(n, generator=g) * 10 ** torch.randint(-3, 4, (n,), generator=g)
-        ours, theirs = mine.clone(), mine.clone()
-        stats = comm.ring_all_reduce(ours)
-        torch.distributed.all_reduce(theirs)
-        out.append({"n": n, "bitwise": torch.equal(ours, theirs), "max_diff": float((ours - theirs).abs().max()),
-                    "bytes_sent": stats.bytes_sent, "messages": stats.messages})
-    return out
-
-
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_ring_all_reduce_is_bitwise_gloo(world):
-    results = launch(_ring_vs_gloo, SIZES, world_size=world, output="none")
+    results = launch(comm.check_ring, SIZES, world_size=world, output="none")
     for rank, rows in enumerate(results):
         for row in rows:
             assert row["bitwise"], f"rank {rank}, {row['n']} elements: differs from gloo by {row['max_diff']}"
@@ -73,3 +59,13 @@ def test_ring_cost_model_latency_grows_bandwidth_saturates():
     assert big[1] / big[0] == pytest.approx((2 * 1023 / 1024) / (2 * 7 / 8))  # bandwidth-bound: flat
     effs = [comm.scaling_efficiency(link, 1e8, 0.5, n) for n in (1, 8, 64, 1024)]
     assert effs[0] == 1.0 and effs == sorted(effs, reverse=True)
+
+
+def test_show_collectives_moves_what_each_collective_promises():
+    out = launch(comm.show_collectives, 6, world_size=2, output="none")
+    before = [o["before"] for o in out]
+    total = [a + b for a, b in zip(*before)]
+    assert out[0]["all_reduce"] == out[1]["all_reduce"] == total
+    assert out[1]["broadcast"] == before[0]
+    assert out[0]["reduce_scatter"] + out[1]["reduce_scatter"] == total
+    assert out[0]["all_gather"] == out[1]["all_gather"] == before[0][:3] + before[1][:3]

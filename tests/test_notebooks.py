@@ -137,7 +137,36 @@ def check_08(records):
     assert records["cli_restart"]["restarts"] == records["torchrun_restart"]["restarts"] == 1
 
 
-CHECKS = {"01": check_01, "02": check_02, "03": check_03, "04": check_04, "05": check_05, "06": check_06, "07": check_07, "08": check_08}
+def check_09(records):
+    ring = records["ring"]
+    assert ring["bitwise"] == ring["checked"] >= 15
+    assert all(0.99 < r < 1.01 for r in ring["bytes_ratio"])
+    bw = records["bandwidth"]
+    assert bw["large_algbw"] > 10 * bw["small_algbw"] and bw["large_busbw"] < bw["memcpy"]
+    eff = records["scaling"]["efficiency"]
+    assert eff == sorted(eff, reverse=True) and eff[0] == 1.0
+
+
+def check_10(records):
+    assert records["bytes"]["worst_gap"] < 0.05
+    opt, params = records["bytes"]["optimizer"], records["bytes"]["params"]
+    assert opt["zero1"] == 12 * -(-params // 4) and opt["fsdp2"] < opt["ddp"] / 3
+    losses = records["losses"]
+    assert max(losses.values()) - min(losses.values()) < 1e-5
+    ac = records["activation_checkpointing"]
+    assert ac["same_grads"] and ac["kept"]["True"] < ac["kept"]["False"] / 4 and ac["ratio"] > 1.0
+    assert [row["ddp: GPUs of 80 GB"] for row in records["big_models"]] == ["never", "never"]
+
+
+def check_11(records):
+    assert records["reshard"]["same_data"] and records["reshard"]["max_loss_gap"] <= 1e-4
+    assert records["chunks"] == {"ddp x4": 1, "fsdp2 x2": 2}
+    costs = records["save_costs"]
+    assert costs["verified"] and costs["async_stall_s"] < costs["dcp_s"] and costs["shard_files"] == 4
+
+
+CHECKS = {"01": check_01, "02": check_02, "03": check_03, "04": check_04, "05": check_05, "06": check_06, "07": check_07, "08": check_08,
+          "09": check_09, "10": check_10, "11": check_11}
 
 
 def test_every_notebook_has_a_results_check():

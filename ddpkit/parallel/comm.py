@@ -138,6 +138,43 @@ def ring_all_reduce(tensor: torch.Tensor, group=None) -> RingStats:
     return stats
 
 
+def check_ring(ctx, sizes: list[int], seed: int = 0) -> list[dict]:
+    """Run the hand-written ring and ``dist.all_reduce`` on the same random values (a function for
+    ``ddpkit.launch``). Per size: whether the results are bitwise equal, the largest difference, and
+    the messages and bytes this rank sent."""
+    rows = []
+    for n in sizes:
+        g = torch.Generator().manual_seed(seed + 1000 * n + ctx.rank)
+        mine = torch.randn(n, generator=g) * 10.0 ** torch.randint(-3, 4, (n,), generator=g)  # mixed magnitudes
+        ours, theirs = mine.clone(), mine.clone()
+        stats = ring_all_reduce(ours)
+        dist.all_reduce(theirs)
+        rows.append({"n": n, "bitwise": torch.equal(ours, theirs), "max_diff": float((ours - theirs).abs().max()),
+                     "messages": stats.messages, "bytes_sent": stats.bytes_sent})
+    return rows
+
+
+def show_collectives(ctx, n: int = 6) -> dict:
+    """Each collective on a tiny tensor (rank r holds r*10 + [0, 1, ...]): before and after, on every
+    rank (a function for ``ddpkit.launch``)."""
+    world, r = ctx.world_size, ctx.rank
+    mine = torch.arange(n, dtype=torch.float32) + 10 * r
+    out = {"before": mine.tolist()}
+    t = mine.clone()
+    dist.all_reduce(t)
+    out["all_reduce"] = t.tolist()
+    t = mine.clone()
+    dist.broadcast(t, src=0)
+    out["broadcast"] = t.tolist()
+    shard = torch.empty(n // world)
+    reduce_scatter_tensor(shard, mine[: n // world * world].clone())
+    out["reduce_scatter"] = shard.tolist()
+    gathered = torch.empty(n // world * world)
+    all_gather_into_tensor(gathered, mine[: n // world].clone())
+    out["all_gather"] = gathered.tolist()
+    return out
+
+
 def ring_bytes_per_rank(nbytes: int, world: int) -> float:
     """What the ring sends from each rank for an all-reduce of ``nbytes``: 2(N-1)/N x M."""
     return 2 * (world - 1) / world * nbytes
