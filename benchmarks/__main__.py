@@ -10,8 +10,11 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import async_save  # noqa: E402
 import checkpoint_cost  # noqa: E402
+import collectives  # noqa: E402
 import launch_latency  # noqa: E402
+import sharding_memory  # noqa: E402
 import startup  # noqa: E402
 import trainer_overhead  # noqa: E402
 
@@ -24,6 +27,9 @@ def main() -> None:
     trainer_overhead.main(steps=100 if quick else 600)
     launch_latency.main(repeats=3 if quick else 15, teardown_launches=20 if quick else 200)
     startup.main(repeats=2 if quick else 5)
+    collectives.main(repeats=2 if quick else 5)
+    sharding_memory.main(steps=2 if quick else 3)
+    async_save.main(repeats=1 if quick else 3)
 
 
 if __name__ == "__main__":

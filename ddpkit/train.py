@@ -3,7 +3,7 @@
 :class:`Trainer` is the whole job on one rank, in the order a reader would explain it:
 
 1. **layout and strategy**: the config's parallel layout (dp x tp x pp) becomes this rank's device
-   mesh, and its strategy (DDP today) wraps the model and builds the optimizer;
+   mesh, and its strategy (DDP, ZeRO-1, FSDP2: ``parallel/``) wraps the model and builds the optimizer;
 2. **data**: the dataset, and a sampler that partitions it over the data-parallel ranks and counts
    its position in global samples;
 3. **resume or start clean**: rank 0 picks the newest good checkpoint (or refuses a folder that holds
@@ -13,7 +13,11 @@
    that every rank agrees on, hooks after it (checkpoint cadence, fault injection, your own), a log
    line; a watchdog bounds how long any step may take;
 5. **the summary**: hashes of the final state (``param_sha256``, ``optimizer_sha256``) and of the data
-   consumed (``data_sha256``), so that two runs can be proved identical by comparing strings.
+   consumed (``data_sha256``), so that two runs can be proved identical by comparing strings, and the
+   bytes of state this rank holds (``state_bytes_per_rank``).
+
+Checkpoints are written by the config's writer: ``full`` (rank 0, one file) or ``dcp`` (every rank its
+shards, ``sharded_checkpoint.py``); a resume reads whichever the checkpoint's manifest names.
 
 :func:`run` is the launcher's entry point: ``ddpkit.launch(train.run, cfg)``.
 """
@@ -38,8 +42,15 @@ from ddpkit.models import build_model, loss_fn
 from ddpkit.parallel import build_strategy
 from ddpkit.parallel.base import Strategy
 from ddpkit.runtime import RankContext, die_with_parent, seed_everything
-from ddpkit.step import (PhaseTimer, example_batch, gather_sample_ids, global_loss_sum, lr_at, micro_step,
-                         train_step)
+from ddpkit.step import (
+    PhaseTimer,
+    example_batch,
+    gather_sample_ids,
+    global_loss_sum,
+    lr_at,
+    micro_step,
+    train_step,
+)
 
 PROBE_SAMPLES = 16
 DATA_HASH_EVERY = 64  # fold the sample ids of this many steps into data_sha256 at once (one all-gather)

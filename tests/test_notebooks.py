@@ -161,6 +161,7 @@ def check_10(records):
 def check_11(records):
     assert records["reshard"]["same_data"] and records["reshard"]["max_loss_gap"] <= 1e-4
     assert records["chunks"] == {"ddp x4": 1, "fsdp2 x2": 2}
+    assert records["async_group"] == {"own_group_ok": True, "shared_group_failed": True}
     costs = records["save_costs"]
     assert costs["verified"] and costs["async_stall_s"] < costs["dcp_s"] and costs["shard_files"] == 4
 

@@ -182,3 +182,35 @@ def test_a_checkpoint_of_the_other_format_is_refused_before_spawning(tmp_path):
     # without --checkpoint-format a resume keeps the checkpoint's own format
     proc = run_cli("train", *small, "--steps", "4", "--checkpoint-dir", str(dcp), "--resume")
     assert proc.returncode == 0, proc.stderr
+
+
+def _optimizer_state(ctx, cfg):
+    trainer = Trainer(ctx, cfg)
+    trainer.fit()
+    _, optimizer_state = trainer.strategy.state_dicts(trainer.model, trainer.optimizer, rank0_only=False)
+    return {"param_groups": optimizer_state["param_groups"],
+            "state": {name: {k: v.numpy().copy() for k, v in entry.items()} for name, entry in optimizer_state["state"].items()}}
+
+
+def test_zero_optimizers_keep_torch_adamws_state_dict_contract():
+    """ZeroAdamW.state_dict() (and the consolidated ZeroRedundancyOptimizer's) is what torch.optim.AdamW
+    under DDP returns: the same parameter groups, and at 2 ranks the same moments, bit for bit."""
+    cfg = TrainConfig(world_size=2, grad_clip=0.0, **MLP)
+    ddp = launch(_optimizer_state, cfg, world_size=2, output="none")[0]
+    for strategy in ("zero1", "zero1-torch"):
+        other = launch(_optimizer_state, cfg.replace(strategy=strategy), world_size=2, output="none")[0]
+        assert other["param_groups"] == ddp["param_groups"], strategy
+        assert set(other["state"]) == set(ddp["state"])
+        for name, entry in ddp["state"].items():
+            for key, value in entry.items():
+                assert np.array_equal(other["state"][name][key], value), (strategy, name, key)
+
+
+def test_a_full_ddp_checkpoint_resumes_under_zero1_bitwise(tmp_path):
+    """load_state_dict takes torch AdamW's whole state and keeps this rank's shard."""
+    common = dict(grad_clip=0.0, **{**MLP, "steps": 6})
+    whole = run(2, **common)[0]
+    run(2, checkpoint_dir=str(tmp_path), **{**common, "steps": 3})
+    resumed = run(2, strategy="zero1", checkpoint_dir=str(tmp_path), resume=True, **common)[0]
+    assert resumed["param_sha256"] == whole["param_sha256"]
+    assert resumed["optimizer_sha256"] == whole["optimizer_sha256"]

@@ -104,7 +104,10 @@ class Strategy:
     def load_sharded_state_dicts(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
                                  model_state: dict, optimizer_state: dict | None) -> None:
         """Put back what :meth:`sharded_state_dicts` gave, once a dcp load has filled it."""
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            set_model_state_dict,
+            set_state_dict,
+        )
 
         if optimizer is None:
             set_model_state_dict(model, model_state)

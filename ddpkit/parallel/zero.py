@@ -31,7 +31,12 @@ import torch
 import torch.distributed as dist
 
 from ddpkit.metrics import CommTimer
-from ddpkit.parallel.base import Strategy, fqn_optimizer_state, index_optimizer_state, tensor_bytes
+from ddpkit.parallel.base import (
+    Strategy,
+    fqn_optimizer_state,
+    index_optimizer_state,
+    tensor_bytes,
+)
 from ddpkit.parallel.comm import all_gather_into_tensor, reduce_scatter_tensor
 from ddpkit.parallel.ddp import DDPStrategy
 
