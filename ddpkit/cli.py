@@ -132,7 +132,11 @@ def check_before_launch(cfg: TrainConfig, attempt: int = 0) -> None:
             raise ValueError(f"--summary-json {cfg.summary_json!r} is a folder: give a file name, e.g. "
                              f"{os.path.join(cfg.summary_json, 'summary.json')}")
         check_writable(os.path.dirname(os.path.abspath(cfg.summary_json)), "--summary-json folder")
-    runtime.resolve_backend(cfg.backend, int(os.environ.get("LOCAL_WORLD_SIZE", cfg.world_size)))
+    backend = runtime.resolve_backend(cfg.backend, int(os.environ.get("LOCAL_WORLD_SIZE", cfg.world_size)))
+    if cfg.strategy == "fsdp2":
+        from ddpkit.parallel.fsdp import check_supported
+
+        check_supported("cpu" if backend == "gloo" else "cuda")
     if cfg.max_restarts and not cfg.checkpoint_dir:
         raise ValueError("--max-restarts needs --checkpoint-dir (a restart resumes from a checkpoint)")
     if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) and not cfg.checkpoint_dir:

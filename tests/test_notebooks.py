@@ -10,6 +10,7 @@ import papermill
 import pytest
 
 from ddpkit.notebook import read_records
+from ddpkit.parallel import fsdp
 
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((REPO / "notebooks").glob("[0-9][0-9]_*.ipynb"))
@@ -150,7 +151,8 @@ def check_09(records):
 def check_10(records):
     assert records["bytes"]["worst_gap"] < 0.05
     opt, params = records["bytes"]["optimizer"], records["bytes"]["params"]
-    assert opt["zero1"] == 12 * -(-params // 4) and opt["fsdp2"] < opt["ddp"] / 3
+    assert opt["zero1"] == 12 * -(-params // 4) and opt.get("fsdp2", 0) < opt["ddp"] / 3
+    assert ("fsdp2" in opt) == fsdp.cpu_supported()  # left out only where this torch cannot run it on the CPU
     losses = records["losses"]
     assert max(losses.values()) - min(losses.values()) < 1e-5
     ac = records["activation_checkpointing"]
@@ -160,7 +162,8 @@ def check_10(records):
 
 def check_11(records):
     assert records["reshard"]["same_data"] and records["reshard"]["max_loss_gap"] <= 1e-4
-    assert records["chunks"] == {"ddp x4": 1, "fsdp2 x2": 2}
+    expected = {"ddp x4": 1, "fsdp2 x2": 2} if fsdp.cpu_supported() else {"ddp x4": 1, "zero1 x2": 1}
+    assert records["chunks"] == expected
     assert records["async_group"] == {"own_group_ok": True, "shared_group_failed": True}
     costs = records["save_costs"]
     assert costs["verified"] and costs["async_stall_s"] < costs["dcp_s"] and costs["shard_files"] == 4

@@ -12,7 +12,9 @@ Sharding is applied per block, then to the root (the embeddings and head that ar
 block's full parameters are alive at a time; that is what makes a model larger than one device fit.
 The price is communication: parameters are gathered in forward and again in backward, about 1.5x
 DDP's bytes. ``fully_shard`` lives in ``torch.distributed.fsdp`` from torch 2.6 and in
-``torch.distributed._composable.fsdp`` before; both are the same FSDP2.
+``torch.distributed._composable.fsdp`` before; both are the same FSDP2. On the CPU (gloo) it runs
+from torch 2.7: before, it needs CUDA streams (2.5: "FSDP requires CUDA for streams"; 2.6 fails on a
+CPU stream), so there :func:`check_supported` refuses it with that reason before anything starts.
 """
 
 from __future__ import annotations
@@ -22,7 +24,24 @@ from typing import ContextManager
 
 import torch
 
+from ddpkit.errors import UserError
 from ddpkit.parallel.base import Strategy
+
+MIN_CPU_TORCH = (2, 7)  # the first release whose FSDP2 runs on CPU tensors (checked: 2.6 fails, 2.7.1 works)
+
+
+def cpu_supported(version: str | None = None) -> bool:
+    """Whether this torch's FSDP2 runs on the CPU (with gloo)."""
+    major, minor = (int(x) for x in (version or torch.__version__).split("+")[0].split(".")[:2])
+    return (major, minor) >= MIN_CPU_TORCH
+
+
+def check_supported(device_type: str) -> None:
+    """Refuse FSDP2 where this torch cannot run it, with the reason and the ways out."""
+    if device_type == "cpu" and not cpu_supported():
+        raise UserError(f"strategy fsdp2 on the CPU needs torch >= {'.'.join(map(str, MIN_CPU_TORCH))} (FSDP2 in torch "
+                        f"{torch.__version__.split('+')[0]} runs on CUDA only): use --strategy zero1, a GPU per rank, "
+                        f"or a newer torch")
 
 
 def fully_shard_fn():
@@ -47,6 +66,7 @@ class FSDPStrategy(Strategy):
     name = "fsdp2"
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        check_supported(self.ctx.device.type)
         fully_shard = fully_shard_fn()
         mesh = self.ctx.mesh["dp"] if self.ctx.mesh is not None else None
         for unit in shard_units(model):
