@@ -104,7 +104,13 @@ def main(runs: int = 10, notebooks: list[str] | None = None) -> dict:
     summary = {name: {"passed": sum(r["ok"] for r in rs), "runs": len(rs),
                       "max_wall_s": max(r["wall_s"] for r in rs),
                       "longest_silence_s": max(r["longest_silence_s"] for r in rs)} for name, rs in results.items()}
-    return write_results("notebook_soak", {"load": f"{len(hogs)} busy processes", "summary": summary, "runs": results})
+    previous = REPO / "benchmarks" / "results" / "notebook_soak.json"
+    if notebooks and previous.exists():  # a run of some notebooks keeps the others' last results
+        old = json.loads(previous.read_text())
+        summary = {**old.get("summary", {}), **summary}
+        results = {**old.get("runs", {}), **results}
+    return write_results("notebook_soak", {"load": f"{len(hogs)} busy processes", "summary": dict(sorted(summary.items())),
+                                           "runs": dict(sorted(results.items()))})
 
 
 if __name__ == "__main__":
