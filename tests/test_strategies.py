@@ -48,10 +48,20 @@ def test_every_strategy_sees_the_same_data_and_losses_as_ddp(mlp_runs):
         assert max(abs(a["loss"] - b["loss"]) for a, b in zip(s["losses"], ddp["losses"])) <= 1e-5
 
 
-def test_zero1_is_bitwise_ddp_at_two_ranks():
-    ddp, zero = (run(2, strategy=s, grad_clip=0.0, **MLP)[0] for s in ("ddp", "zero1"))
+@pytest.mark.parametrize("changes", [{}, {"grad_accum": 2, "micro_batch_size": 4}, {"amp": "bf16"}],
+                         ids=["plain", "accumulation", "bf16"])
+def test_zero1_is_bitwise_ddp_at_two_ranks(changes):
+    ddp, zero = (run(2, strategy=s, grad_clip=0.0, **{**MLP, **changes})[0] for s in ("ddp", "zero1"))
     assert zero["param_sha256"] == ddp["param_sha256"]
     assert zero["losses"] == ddp["losses"]
+
+
+@NEEDS_FSDP2
+def test_fsdp2_accumulates_without_syncing_like_ddp():
+    changes = {"grad_accum": 2, "micro_batch_size": 4}
+    ddp, sharded = (run(2, strategy=s, **{**MLP, **changes})[0] for s in ("ddp", "fsdp2"))
+    assert sharded["data_sha256"] == ddp["data_sha256"]
+    assert max(abs(a["loss"] - b["loss"]) for a, b in zip(sharded["losses"], ddp["losses"])) <= 1e-5
 
 
 def test_zero1_stays_within_1e6_of_ddp_at_four_ranks():
@@ -180,6 +190,9 @@ def test_bad_strategy_input_is_refused_before_any_rank_starts(tmp_path):
         assert proc.returncode == 2 and words in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     with pytest.raises(ValueError, match="checkpoint-format dcp"):
         TrainConfig(strategy="fsdp2", checkpoint_dir=str(tmp_path), checkpoint_format="full")
+    for strategy in ("zero1", "fsdp2"):  # ranks holding different gradients cannot each decide to skip a step
+        with pytest.raises(ValueError, match="amp bf16"):
+            TrainConfig(strategy=strategy, amp="fp16")
 
 
 def test_a_checkpoint_of_the_other_format_is_refused_before_spawning(tmp_path):

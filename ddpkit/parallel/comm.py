@@ -212,9 +212,16 @@ def run_collective(op: str, tensor: torch.Tensor, group=None, out: torch.Tensor 
         raise ValueError(f"unknown collective {op!r}: use one of {', '.join(COLLECTIVES)} or ring_all_reduce")
 
 
-def time_collective(op: str, nbytes: int, group=None, iters: int = 5, warmup: int = 1) -> float:
-    """Median seconds of one ``op`` on a message of ``nbytes`` (collective: every rank calls). Every
-    call starts from a barrier, so a rank that arrived late is not billed to the collective."""
+def time_collective(op: str, nbytes: int, group=None, iters: int = 5, warmup: int = 1, best: bool = False) -> float:
+    """Median (``best``: fastest) seconds of one ``op`` on a message of ``nbytes`` (collective: every
+    rank calls). Every call starts from a barrier, so a rank that arrived late is not billed to the
+    collective. On a busy machine the fastest call is the one least disturbed by other processes: what
+    a cost model should be fitted to."""
+    return _timed_calls(op, nbytes, group, iters, warmup)[1 if best else 0]
+
+
+def _timed_calls(op: str, nbytes: int, group, iters: int, warmup: int) -> tuple[float, float]:
+    """(median, fastest) seconds of ``iters`` calls, each the slowest rank's."""
     n = dist.get_world_size(group)
     numel = max(n, nbytes // 4 // n * n)
     tensor = torch.ones(numel)
@@ -226,10 +233,10 @@ def time_collective(op: str, nbytes: int, group=None, iters: int = 5, warmup: in
         run_collective(op, tensor, group, out)
         if i >= warmup:
             times.append(time.perf_counter() - start)
-    # every rank reports the slowest rank's time: a collective is done when the last rank is
-    slowest = torch.tensor([statistics.median(times)], dtype=torch.float64)
+    # a collective is done when the last rank is: every rank reports the slowest rank's times
+    slowest = torch.tensor([statistics.median(times), min(times)], dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
-    return float(slowest)
+    return float(slowest[0]), float(slowest[1])
 
 
 def bandwidths(op: str, nbytes: int, seconds: float, world: int) -> dict:
@@ -241,12 +248,13 @@ def bandwidths(op: str, nbytes: int, seconds: float, world: int) -> dict:
 
 def benchmark(ctx, sizes: list[int], ops: tuple[str, ...] = COLLECTIVES, iters: int = 5) -> list[dict]:
     """Time every ``op`` at every message size on the world (a function for ``ddpkit.launch``); every
-    rank returns the same rows: op, bytes, seconds, algbw, busbw, world."""
+    rank returns the same rows: op, bytes, seconds (median), best_seconds (fastest), algbw and busbw
+    (of the median), world."""
     rows = []
     for op in ops:
         for nbytes in sizes:
-            seconds = time_collective(op, nbytes, None, iters)
-            rows.append({**bandwidths(op, nbytes, seconds, ctx.world_size), "world": ctx.world_size})
+            seconds, fastest = _timed_calls(op, nbytes, None, iters, 1)
+            rows.append({**bandwidths(op, nbytes, seconds, ctx.world_size), "best_seconds": fastest, "world": ctx.world_size})
     return rows
 
 
