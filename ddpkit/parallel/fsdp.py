@@ -11,7 +11,9 @@ sharded parameters) its AdamW moments. The whole parameters exist only briefly:
 Sharding is applied per block, then to the root (the embeddings and head that are left), so only one
 block's full parameters are alive at a time; that is what makes a model larger than one device fit.
 The price is communication: parameters are gathered in forward and again in backward, about 1.5x
-DDP's bytes. ``fully_shard`` lives in ``torch.distributed.fsdp`` from torch 2.6 and in
+DDP's bytes. That communication runs inside FSDP2's own hooks, so the trainer's ``comm_s`` (which a
+DDP comm hook or ZeRO's optimizer measures) reads 0 here: the time is counted in ``forward_s`` and
+``backward_s``. ``fully_shard`` lives in ``torch.distributed.fsdp`` from torch 2.6 and in
 ``torch.distributed._composable.fsdp`` before; both are the same FSDP2. On the CPU (gloo) it runs
 from torch 2.7: before, it needs CUDA streams (2.5: "FSDP requires CUDA for streams"; 2.6 fails on a
 CPU stream), so there :func:`check_supported` refuses it with that reason before anything starts.
