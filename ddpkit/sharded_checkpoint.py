@@ -201,7 +201,9 @@ def _snapshot(tree, buffers=None):
     if buffers is not None and torch.is_tensor(buffers) and type(buffers) is type(local) \
             and buffers.shape == local.shape and buffers.dtype == local.dtype:
         return buffers.copy_(local)
-    return local.clone()
+    if local.device.type == "cuda" and not hasattr(local, "to_local"):  # a GPU tensor: the copy goes to host memory
+        return local.to("cpu", copy=True)
+    return local.clone()  # a DTensor keeps its device and mesh
 
 
 def folder_bytes(path: str | Path) -> int:
