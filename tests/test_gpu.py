@@ -4,6 +4,7 @@ Each test that needs a clean parent (CUDA untouched) runs its parent in a fresh 
 monkeypatched predicate cannot catch the bugs these guard against.
 """
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -127,3 +128,21 @@ def test_nccl_training_smoke(tmp_path):
                           timeout=180, cwd=REPO, env=cli_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "(nccl, cuda" in proc.stdout
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero1-torch", "fsdp2"])
+def test_every_strategy_trains_and_resumes_exactly_on_the_gpu(tmp_path, strategy):
+    """The sharded strategies and the dcp writer with CUDA tensors: a resumed run equals a whole one."""
+    def train(name, *extra):
+        path = tmp_path / f"{name}.json"
+        proc = subprocess.run([sys.executable, "-m", "ddpkit", "train", "--world-size", "1", "--backend", "nccl",
+                               "--model", "gpt", "--strategy", strategy, "--summary-json", str(path), *extra],
+                              capture_output=True, text=True, timeout=300, cwd=REPO, env=cli_env())
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads(path.read_text())
+
+    whole = train("whole", "--steps", "6")
+    ckpt = str(tmp_path / "ckpt")
+    train("first", "--steps", "3", "--checkpoint-dir", ckpt, "--checkpoint-format", "dcp")
+    resumed = train("resumed", "--steps", "6", "--checkpoint-dir", ckpt, "--resume")
+    assert resumed["resumed_from_step"] == 3 and resumed["param_sha256"] == whole["param_sha256"]
