@@ -54,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-workers", type=int, default=d.num_workers)
     p.add_argument("--strategy", choices=STRATEGIES, default=d.strategy,
                    help="ddp replicates everything; zero1 / zero1-torch shard the optimizer state; fsdp2 shards all")
+    p.add_argument("--tp", type=int, default=d.tp, help="tensor-parallel degree (world = dp x tp x pp)")
+    p.add_argument("--pp", type=int, default=d.pp, help="pipeline-parallel degree")
     p.add_argument("--activation-checkpointing", action="store_true",
                    help="recompute activations in backward instead of storing them")
     p.add_argument("--checkpoint-dir", default=None)

@@ -207,9 +207,16 @@ class TrainConfig:
         need(self.num_workers <= MAX_WORKERS, f"num-workers must be <= {MAX_WORKERS}, got {self.num_workers}")
         need(self.d_model % self.n_heads == 0, f"n-heads ({self.n_heads}) must divide d-model ({self.d_model})")
         need(self.world_size % (self.tp * self.pp) == 0,
-             f"world size {self.world_size} is not divisible by tp x pp = {self.tp} x {self.pp}")
-        need(self.tp == 1 and self.pp == 1 or self.strategy != "ddp",
-             "strategy ddp replicates the whole model on every rank: use tp = pp = 1")
+             f"world size {self.world_size} is not divisible by tp x pp = {self.tp} x {self.pp}: use a world size "
+             f"that is a multiple of {self.tp * self.pp}")
+        need(self.tp == 1 or self.strategy == "ddp",
+             f"tensor parallelism combines with strategy ddp across replicas, not {self.strategy}: use --strategy ddp")
+        need(self.tp == 1 or self.model == "gpt",
+             "tensor parallelism splits the GPT's attention heads and MLP: use --model gpt")
+        need(self.tp == 1 or (self.n_heads % self.tp == 0 and 4 * self.d_model % self.tp == 0),
+             f"tp {self.tp} must divide the attention heads ({self.n_heads}) and the MLP width ({4 * self.d_model}): "
+             f"choose a tp that divides {self.n_heads}")
+        need(self.pp == 1, "pipeline parallelism is not in the trainer yet: use --pp 1 (notebook 13 runs pipelines)")
         need(self.global_batch_size <= self.dataset_size,
              f"global batch {self.global_batch_size} (micro {self.micro_batch_size} x accum "
              f"{self.grad_accum} x world {self.dp}) is larger than the dataset "

@@ -64,7 +64,8 @@ class CommTimer:
                 self._origin.record()
 
     def register(self, ddp_model: torch.nn.parallel.DistributedDataParallel) -> "CommTimer":
-        ddp_model.register_comm_hook(None, self._hook)
+        # the hook's state is DDP's own group: with tensor or pipeline parallelism that is the dp group, not the world
+        ddp_model.register_comm_hook(ddp_model.process_group, self._hook)
         return self
 
     def _now(self):

@@ -106,6 +106,18 @@ class RankContext:
         raise RuntimeError(f"layout {self.dims.describe()} needs its device mesh: ctx = ctx.with_dims(ctx.dims) on every rank")
 
     @property
+    def tp_rank(self) -> int:
+        """This rank's index among its tensor-parallel peers (which slice of each layer it holds)."""
+        return self.dims.coords(self.rank)["tp"]
+
+    @property
+    def tp_group(self):
+        """The process group of this rank's tensor-parallel peers (they hold the slices of the same layers)."""
+        if self.mesh is None:
+            raise RuntimeError(f"layout {self.dims.describe()} needs its device mesh: ctx = ctx.with_dims(ctx.dims) on every rank")
+        return self.mesh.get_group("tp")
+
+    @property
     def world_group(self):
         """Every rank of the job, named explicitly."""
         return dist.group.WORLD

@@ -22,5 +22,9 @@ def build_strategy(name: str, ctx):
     """The strategy a config names, for this rank."""
     if name not in STRATEGIES:
         raise ValueError(f"unknown strategy {name!r}: use one of {', '.join(STRATEGIES)}")
+    if ctx is not None and ctx.dims.tp > 1:  # each replica split over a tp group, DDP across replicas
+        from ddpkit.parallel.tensor import TensorParallelStrategy
+
+        return TensorParallelStrategy(ctx)
     module, cls = STRATEGIES[name].split(":")
     return getattr(importlib.import_module(module), cls)(ctx)

@@ -188,7 +188,7 @@ class _ReplicatedStateMixin:
                 {"state": {}, "param_groups": [{**optimizer.param_groups[0], "params": list(range(len(list(raw.parameters()))))}]},
                 raw)["param_groups"]
             optimizer_state = {"param_groups": [{k: v for k, v in g.items() if k != "initial_lr"} for g in group],
-                               "state": {name: {"step": torch.zeros(()), **{k: torch.zeros_like(p.detach()) for k in MOMENTS}}
+                               "state": {name: {"step": torch.zeros(()), **{k: torch.zeros_like(model_state[name]) for k in MOMENTS}}
                                          for name, p in raw.named_parameters() if p.requires_grad}}
         return model_state, optimizer_state
 
