@@ -39,7 +39,6 @@ from ddpkit.parallel.comm import all_gather_into_tensor
 from ddpkit.parallel.ddp import DDPStrategy, wrap_ddp
 from ddpkit.parallel.zero import _ReplicatedStateMixin
 
-
 CALLS: Counter = Counter()  # all-reduces issued by f and g, by direction: what notebook 12 counts
 
 
@@ -245,9 +244,10 @@ class TensorParallelStrategy(_ReplicatedStateMixin, DDPStrategy):
         model_state = {k: v.cpu().clone() for k, v in full_state(self.raw, self.raw.state_dict()).items()}
         optimizer_state = fqn_optimizer_state(optimizer.state_dict(), self.raw)
         state = {}
-        for name, entry in optimizer_state["state"].items():
-            moments = full_state(self.raw, {name: entry[k] for k in ("exp_avg", "exp_avg_sq") if k in entry})
-            state[name] = {**entry, **{k: v.cpu().clone() for k, v in moments.items()}}
+        for name, entry in optimizer_state["state"].items():  # each moment has its parameter's layout
+            moments = {k: full_state(self.raw, {name: entry[k]})[name].cpu().clone()
+                       for k in ("exp_avg", "exp_avg_sq") if k in entry}
+            state[name] = {**entry, **moments}
         return model_state, {**optimizer_state, "state": state}
 
     def load_state_dicts(self, model, optimizer, model_state: dict, optimizer_state: dict | None) -> None:
