@@ -21,33 +21,23 @@ def _grads(model):
     return {n: p.grad for n, p in model.named_parameters()}
 
 
-def _against_unsplit(ctx, cfg):
-    """Our tp GPT and the whole GPT on the same tokens: output and every parameter's gradient."""
-    torch.manual_seed(1)
-    tokens = torch.randint(0, cfg.vocab_size, (4, cfg.seq_len))
-    whole = build_model(cfg)
-    out_whole = whole(tokens)
-    loss_fn(out_whole, tokens).backward()
-    split = tensor.parallelize(build_model(cfg), dist.group.WORLD)
-    tensor.CALLS.clear()
-    out_split = split(tokens)
-    forward_calls = tensor.CALLS["forward"]
-    loss_fn(out_split, tokens).backward()
-    grads = tensor.full_state(split, _grads(split))
-    return {"out": float((out_split - out_whole).abs().max()),
-            "grads": {n: float((grads[n] - p.grad).abs().max()) for n, p in whole.named_parameters()},
-            "forward_calls": forward_calls, "backward_calls": tensor.CALLS["backward"],
-            "local_qkv_rows": split.blocks[0].attn.qkv.weight.shape[0]}
-
-
 @pytest.mark.parametrize("tp", [2, 4])
 def test_tensor_parallel_gpt_equals_the_unsplit_model(tp):
-    out = launch(_against_unsplit, GPT, world_size=tp, output="none")
-    for rank in out:
-        assert rank["out"] <= 1e-6 and max(rank["grads"].values()) <= 1e-6, rank
+    for rank in launch(tensor.check_against_unsplit, GPT, world_size=tp, output="none"):
+        assert rank["output_diff"] <= 1e-6 and rank["grad_diff"] <= 1e-6, rank
         # two column/row pairs per block (attention, MLP): 2 all-reduces forward, 2 backward, per block
-        assert rank["forward_calls"] == rank["backward_calls"] == 2 * GPT.n_layers
-        assert rank["local_qkv_rows"] == 3 * GPT.d_model // tp
+        assert rank["forward_all_reduces"] == rank["backward_all_reduces"] == 2 * GPT.n_layers
+        assert rank["local_params"] < rank["whole_params"]
+
+
+def test_a_linear_split_by_columns_and_by_rows_equals_the_whole_layer():
+    out = launch(tensor.split_linear_demo, 6, 4, world_size=2, output="none")
+    for rank, styles in enumerate(out):
+        for style, result in styles.items():
+            assert result["output_diff"] <= 1e-6 and result["input_grad_diff"] <= 1e-6, (rank, style, result)
+        assert styles["column"]["local_shape"] == [3, 4] and styles["row"]["local_shape"] == [6, 2]
+        assert styles["column"]["owner"] == [[0.0] * 4] * 3 + [[1.0] * 4] * 3  # rows 0-2 on rank 0
+        assert styles["row"]["owner"] == [[0.0, 0.0, 1.0, 1.0]] * 6  # columns 0-1 on rank 0
 
 
 def _against_dtensor(ctx, cfg):

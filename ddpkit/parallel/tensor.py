@@ -259,3 +259,54 @@ class TensorParallelStrategy(_ReplicatedStateMixin, DDPStrategy):
             moments = {k: entry[k] for k in ("exp_avg", "exp_avg_sq") if k in entry}
             state[name] = {**entry, **{k: local_state(self.raw, {name: v})[name].clone() for k, v in moments.items()}}
         optimizer.load_state_dict(index_optimizer_state({**optimizer_state, "state": state}, self.raw))
+
+
+# --------------------------------------------------------------------------- checks a notebook and the tests run on real ranks
+
+def split_linear_demo(ctx, out_features: int = 6, in_features: int = 4) -> dict:
+    """One ``nn.Linear`` split by columns and by rows over the world (a function for ``ddpkit.launch``):
+    which rank holds which weight element, and the split layer's output and input gradient against the
+    whole layer's."""
+    torch.manual_seed(0)
+    full = nn.Linear(in_features, out_features)
+    x = torch.randn(3, in_features, requires_grad=True)
+    full(x).sum().backward()
+    out = {}
+    for style in ("column", "row"):
+        layer = TensorParallelLinear(full, style, dist.group.WORLD)
+        owner = layer.to_full("weight", torch.full_like(layer.weight, float(ctx.rank)))
+        x_local = x.detach().clone().requires_grad_(True)
+        # a row-parallel layer takes this rank's slice of the input features (what a column layer produced)
+        inputs = x_local if style == "column" else x_local.chunk(ctx.world_size, 1)[ctx.rank]
+        y = layer(inputs)
+        y.sum().backward()
+        grad = x_local.grad if style == "column" else _gather(x_local.grad.chunk(ctx.world_size, 1)[ctx.rank], 1, dist.group.WORLD)
+        y_full = _gather(y.detach(), 1, dist.group.WORLD) if style == "column" else y.detach()  # column: slices of y
+        out[style] = {"owner": owner.tolist(), "local_shape": list(layer.weight.shape),
+                      "output_diff": float((y_full - full(x).detach()).abs().max()),
+                      "input_grad_diff": float((grad - x.grad).abs().max())}
+    return out
+
+
+def check_against_unsplit(ctx, cfg, batch: int = 4) -> dict:
+    """The tp GPT (split over the world) and the whole GPT on the same tokens (a function for
+    ``ddpkit.launch``): largest output and gradient differences, and the all-reduces f and g issued in
+    forward and in backward."""
+    from ddpkit.models import build_model, loss_fn
+
+    torch.manual_seed(1)
+    tokens = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len))
+    whole = build_model(cfg)
+    out_whole = whole(tokens)
+    loss_fn(out_whole, tokens).backward()
+    split = parallelize(build_model(cfg), dist.group.WORLD)
+    CALLS.clear()
+    out_split = split(tokens)
+    forward_calls = CALLS["forward"]
+    loss_fn(out_split, tokens).backward()
+    grads = full_state(split, {n: p.grad for n, p in split.named_parameters()})
+    return {"output_diff": float((out_split - out_whole).abs().max()),
+            "grad_diff": max(float((grads[n] - p.grad).abs().max()) for n, p in whole.named_parameters()),
+            "forward_all_reduces": forward_calls, "backward_all_reduces": CALLS["backward"],
+            "local_params": sum(p.numel() for p in split.parameters()),
+            "whole_params": sum(p.numel() for p in whole.parameters())}
