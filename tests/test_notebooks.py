@@ -169,8 +169,17 @@ def check_11(records):
     assert costs["verified"] and costs["async_stall_s"] < costs["dcp_s"] and costs["shard_files"] == 4
 
 
+def check_12(records):
+    assert records["linear"] == {"column": [3, 4], "row": [6, 2]}
+    unsplit = records["unsplit"]
+    assert unsplit["forward"] == unsplit["backward"] == 2 * unsplit["layers"] and unsplit["max_diff"] <= 1e-6
+    assert records["dtensor"]["max_diff"] <= 1e-6
+    training = records["training"]
+    assert training["same_data"] and training["max_loss_gap"] <= 1e-4 and training["params_ratio"] < 1
+
+
 CHECKS = {"01": check_01, "02": check_02, "03": check_03, "04": check_04, "05": check_05, "06": check_06, "07": check_07, "08": check_08,
-          "09": check_09, "10": check_10, "11": check_11}
+          "09": check_09, "10": check_10, "11": check_11, "12": check_12}
 
 
 def test_every_notebook_has_a_results_check():

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from ddpkit import train
 from ddpkit.config import TrainConfig
 from ddpkit.launch import launch
-from ddpkit.models import build_model, loss_fn
+from ddpkit.models import build_model
 from ddpkit.parallel import tensor
 from tests.conftest import run_cli
 
@@ -40,37 +40,9 @@ def test_a_linear_split_by_columns_and_by_rows_equals_the_whole_layer():
         assert styles["row"]["owner"] == [[0.0, 0.0, 1.0, 1.0]] * 6  # columns 0-1 on rank 0
 
 
-def _against_dtensor(ctx, cfg):
-    """Our ParallelMLP and DTensor's ColwiseParallel/RowwiseParallel on the same GPT's MLPs."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        parallelize_module,
-    )
-
-    torch.manual_seed(1)
-    tokens = torch.randint(0, cfg.vocab_size, (4, cfg.seq_len))
-    ours = tensor.parallelize(build_model(cfg), dist.group.WORLD, parts=("mlp",))
-    out_ours = ours(tokens)
-    loss_fn(out_ours, tokens).backward()
-    mesh = init_device_mesh("cpu", (ctx.world_size,))
-    theirs = build_model(cfg)
-    for i in range(cfg.n_layers):
-        parallelize_module(theirs, mesh, {f"blocks.{i}.mlp.0": ColwiseParallel(), f"blocks.{i}.mlp.2": RowwiseParallel()})
-    out_theirs = theirs(tokens)
-    loss_fn(out_theirs, tokens).backward()
-    ours_grads = tensor.full_state(ours, _grads(ours))
-    theirs_grads = {n: (g.full_tensor() if hasattr(g, "full_tensor") else g) for n, g in _grads(theirs).items()}
-    local = {n: tuple(p.to_local().shape) for n, p in theirs.named_parameters() if hasattr(p, "to_local")}
-    return {"out": float((out_ours - out_theirs).abs().max()),
-            "grads": max(float((ours_grads[n] - theirs_grads[n]).abs().max()) for n in theirs_grads),
-            "same_local_shapes": all(tuple(dict(ours.named_parameters())[n].shape) == s for n, s in local.items())}
-
-
 def test_our_mlp_split_matches_dtensor_colwise_and_rowwise():
-    for rank in launch(_against_dtensor, GPT, world_size=2, output="none"):
-        assert rank["out"] <= 1e-6 and rank["grads"] <= 1e-6 and rank["same_local_shapes"], rank
+    for rank in launch(tensor.check_against_dtensor, GPT, world_size=2, output="none"):
+        assert rank["output_diff"] <= 1e-6 and rank["grad_diff"] <= 1e-6 and rank["same_local_shapes"], rank
 
 
 def _round_trip(ctx, cfg):

@@ -310,3 +310,38 @@ def check_against_unsplit(ctx, cfg, batch: int = 4) -> dict:
             "forward_all_reduces": forward_calls, "backward_all_reduces": CALLS["backward"],
             "local_params": sum(p.numel() for p in split.parameters()),
             "whole_params": sum(p.numel() for p in whole.parameters())}
+
+
+def check_against_dtensor(ctx, cfg, batch: int = 4) -> dict:
+    """Our MLP split and PyTorch's own, DTensor ``ColwiseParallel`` / ``RowwiseParallel``, applied to the
+    same GPT's MLPs (a function for ``ddpkit.launch``): output and gradient differences, and whether
+    both keep the same local shapes. (Our fused q/k/v weight needs a per-head split that a plain
+    ``ColwiseParallel`` would not make, so the attention is compared with the whole model instead.)"""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    from ddpkit.models import build_model, loss_fn
+
+    torch.manual_seed(1)
+    tokens = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len))
+    ours = parallelize(build_model(cfg), dist.group.WORLD, parts=("mlp",))
+    out_ours = ours(tokens)
+    loss_fn(out_ours, tokens).backward()
+    theirs = build_model(cfg)
+    mesh = init_device_mesh(out_ours.device.type, (ctx.world_size,))
+    for i in range(cfg.n_layers):
+        parallelize_module(theirs, mesh, {f"blocks.{i}.mlp.0": ColwiseParallel(), f"blocks.{i}.mlp.2": RowwiseParallel()})
+    out_theirs = theirs(tokens)
+    loss_fn(out_theirs, tokens).backward()
+    ours_grads = full_state(ours, {n: p.grad for n, p in ours.named_parameters()})
+    theirs_grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad) for n, p in theirs.named_parameters()}
+    local = {n: tuple(p.to_local().shape) for n, p in theirs.named_parameters() if hasattr(p, "to_local")}
+    mine = dict(ours.named_parameters())
+    return {"output_diff": float((out_ours - out_theirs).abs().max()),
+            "grad_diff": max(float((ours_grads[n] - g).abs().max()) for n, g in theirs_grads.items()),
+            "same_local_shapes": all(tuple(mine[n].shape) == shape for n, shape in local.items()),
+            "dtensor_params": len(local)}
