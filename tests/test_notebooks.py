@@ -178,8 +178,21 @@ def check_12(records):
     assert training["same_data"] and training["max_loss_gap"] <= 1e-4 and training["params_ratio"] < 1
 
 
+def check_13(records):
+    simulated = records["simulated"]
+    assert simulated["gpipe"]["bubble"] == simulated["1f1b"]["bubble"] == 3 / 9  # p 4, m 6: (p-1)/(m+p-1)
+    assert simulated["gpipe"]["in_flight"] == [6, 6, 6, 6] and simulated["1f1b"]["in_flight"] == [4, 3, 2, 1]
+    measured = records["measured"]
+    assert measured["grad_diff"] <= 1e-6
+    assert measured["held"] == {"gpipe": measured["micro_counts"][-1], "1f1b": measured["stages"]}
+    bubbles = measured["bubbles"]
+    first, last = measured["micro_counts"][0], measured["micro_counts"][-1]
+    assert bubbles[f"1f1b-{last}"] < bubbles[f"1f1b-{first}"]
+
+
 CHECKS = {"01": check_01, "02": check_02, "03": check_03, "04": check_04, "05": check_05, "06": check_06, "07": check_07, "08": check_08,
-          "09": check_09, "10": check_10, "11": check_11, "12": check_12}
+          "09": check_09, "10": check_10, "11": check_11, "12": check_12,
+          "13": check_13}
 
 
 def test_every_notebook_has_a_results_check():
