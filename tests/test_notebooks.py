@@ -180,7 +180,8 @@ def check_12(records):
 
 def check_13(records):
     simulated = records["simulated"]
-    assert simulated["gpipe"]["bubble"] == simulated["1f1b"]["bubble"] == 3 / 9  # p 4, m 6: (p-1)/(m+p-1)
+    for name in ("gpipe", "1f1b"):  # p 4, m 6: (p-1)/(m+p-1) = 3/9
+        assert abs(simulated[name]["bubble"] - 3 / 9) < 1e-9
     assert simulated["gpipe"]["in_flight"] == [6, 6, 6, 6] and simulated["1f1b"]["in_flight"] == [4, 3, 2, 1]
     measured = records["measured"]
     assert measured["grad_diff"] <= 1e-6
