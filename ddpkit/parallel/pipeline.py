@@ -34,6 +34,13 @@ import torch.distributed as dist
 import torch.nn as nn
 
 SCHEDULES = ("gpipe", "1f1b")
+MIN_1F1B_TORCH = (2, 8)  # Schedule1F1B on gloo hangs before (seen with 2.4.1 and 2.7.1; 2.8.0 works)
+
+
+def runnable_schedules(version: str | None = None) -> tuple[str, ...]:
+    """The schedules :func:`run_pipeline` can run with this torch on gloo."""
+    major, minor = (int(x) for x in (version or torch.__version__).split("+")[0].split(".")[:2])
+    return SCHEDULES if (major, minor) >= MIN_1F1B_TORCH else ("gpipe",)
 
 
 @dataclass(frozen=True)
@@ -177,9 +184,14 @@ def run_pipeline(ctx, cfg, schedule_name: str, n_micro: int, micro: int, repeats
     measured activation bytes of one micro-batch on this stage."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
+    from ddpkit.errors import UserError
     from ddpkit.models import build_model, loss_fn
     from ddpkit.parallel.memory import activation_bytes
 
+    if schedule_name not in runnable_schedules():
+        raise UserError(f"torch.distributed.pipelining's {schedule_name} schedule hangs on gloo before torch "
+                        f"{'.'.join(map(str, MIN_1F1B_TORCH))} (this is {torch.__version__.split('+')[0]}): use gpipe "
+                        f"or a newer torch")
     p, s = ctx.world_size, ctx.rank
     batch = n_micro * micro
     model = build_model(cfg)
@@ -188,7 +200,13 @@ def run_pipeline(ctx, cfg, schedule_name: str, n_micro: int, micro: int, repeats
     torch.manual_seed(0)
     tokens = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len))
     example = tokens[:micro] if s == 0 else torch.zeros(micro, cfg.seq_len, cfg.d_model)
-    stage = PipelineStage(module, s, p, torch.device("cpu"), input_args=(example,), group=dist.group.WORLD)
+    shapes = {}
+    if inspect.signature(PipelineStage.__init__).parameters["input_args"].default is inspect.Parameter.empty:
+        # an older torch infers shapes at construction by running the stage on empty tensors, which an
+        # embedding cannot take: give it the output shape too, so that it runs nothing
+        width = cfg.vocab_size if s == p - 1 else cfg.d_model
+        shapes = {"input_args": (example,), "output_args": (torch.zeros(micro, cfg.seq_len, width),)}
+    stage = PipelineStage(module, s, p, torch.device("cpu"), group=dist.group.WORLD, **shapes)
     timeline: list[dict] = []
     stage.forward_one_chunk = _timed(timeline, "F", stage.forward_one_chunk)
     stage.backward_one_chunk = _timed(timeline, "B", stage.backward_one_chunk)
