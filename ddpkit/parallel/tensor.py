@@ -333,8 +333,9 @@ def check_against_dtensor(ctx, cfg, batch: int = 4) -> dict:
     loss_fn(out_ours, tokens).backward()
     theirs = build_model(cfg)
     mesh = init_device_mesh(out_ours.device.type, (ctx.world_size,))
-    for i in range(cfg.n_layers):
-        parallelize_module(theirs, mesh, {f"blocks.{i}.mlp.0": ColwiseParallel(), f"blocks.{i}.mlp.2": RowwiseParallel()})
+    for block in theirs.blocks:  # each layer directly: older torch resolves dotted plan keys differently
+        parallelize_module(block.mlp[0], mesh, ColwiseParallel())
+        parallelize_module(block.mlp[2], mesh, RowwiseParallel())
     out_theirs = theirs(tokens)
     loss_fn(out_theirs, tokens).backward()
     ours_grads = full_state(ours, {n: p.grad for n, p in ours.named_parameters()})
