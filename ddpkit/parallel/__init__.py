@@ -1,9 +1,11 @@
 """The parallelism plane: how the model, its gradients and its optimizer state are split across ranks.
 
-One file per strategy (``ddp.py``, ``zero.py``, ``fsdp.py``), behind the small interface in ``base.py``; ``dims.py`` is the
-parallel layout (dp x tp x pp) and its device mesh. :func:`build_strategy` maps a config's
-``strategy`` name to one. Strategy modules are imported on demand, so that importing the layout (which
-the config does) stays cheap.
+One file per idea: data-parallel strategies (``ddp.py``, ``zero.py``, ``fsdp.py``) behind the small
+interface in ``base.py``; model parallelism (``tensor.py``: layers split across ranks; ``pipeline.py``:
+layers in stages); collectives and what they cost (``comm.py``); memory per rank (``memory.py``);
+``dims.py`` is the parallel layout (dp x tp x pp) and its device mesh. :func:`build_strategy` maps a
+config's ``strategy`` name (and its tp degree) to one. Strategy modules are imported on demand, so
+that importing the layout (which the config does) stays cheap.
 """
 
 from __future__ import annotations
