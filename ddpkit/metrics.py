@@ -216,11 +216,6 @@ def optimizer_sha256(optimizer: torch.optim.Optimizer | dict) -> str:
     return state_sha256(flat)
 
 
-def param_l2(model: torch.nn.Module) -> float:
-    """Global L2 norm of all parameters (float64)."""
-    return math.sqrt(sum(float(p.detach().double().pow(2).sum()) for p in model.parameters()))
-
-
 def state_l2(state_dict: dict[str, torch.Tensor]) -> float:
     """Global L2 norm of a (full) model state dict's tensors, in key order (float64)."""
     return math.sqrt(sum(float(t.detach().double().pow(2).sum()) for t in state_dict.values()))

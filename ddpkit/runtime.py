@@ -106,11 +106,6 @@ class RankContext:
         raise RuntimeError(f"layout {self.dims.describe()} needs its device mesh: ctx = ctx.with_dims(ctx.dims) on every rank")
 
     @property
-    def tp_rank(self) -> int:
-        """This rank's index among its tensor-parallel peers (which slice of each layer it holds)."""
-        return self.dims.coords(self.rank)["tp"]
-
-    @property
     def tp_group(self):
         """The process group of this rank's tensor-parallel peers (they hold the slices of the same layers)."""
         if self.mesh is None:

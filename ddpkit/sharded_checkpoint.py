@@ -152,8 +152,8 @@ class AsyncSave:
     ``start`` snapshots the state into buffers kept from one save to the next (a copy is needed:
     training changes the tensors in place; reusing the buffers avoids fresh allocations) and hands it
     to DCP's background thread, whose collectives use :attr:`group`, a gloo group of its own. The
-    folder is sealed (hashes, manifest, rename) once the write has finished: :meth:`poll` at a step
-    boundary, or :meth:`wait` before the next save and at the end.
+    folder is sealed (hashes, manifest, rename) once the write has finished, by :meth:`wait`: before the
+    next save, and at the end.
     """
 
     def __init__(self, ctx) -> None:
@@ -174,12 +174,6 @@ class AsyncSave:
         extra = {**extra, "param_groups": optimizer_state["param_groups"]}
         self.pending = (future, root, step, tmp, extra, meta, keep_last)
         return time.perf_counter() - started
-
-    def poll(self) -> Path | None:
-        """Seal the pending save if its write has finished (no waiting)."""
-        if self.pending is not None and self.pending[0].done():
-            return self.wait()
-        return None
 
     def wait(self) -> Path | None:
         """Wait for the pending save and seal it."""

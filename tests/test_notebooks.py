@@ -158,6 +158,8 @@ def check_10(records):
     ac = records["activation_checkpointing"]
     assert ac["same_grads"] and ac["kept"]["True"] < ac["kept"]["False"] / 4 and ac["ratio"] > 1.0
     assert [row["ddp: GPUs of 80 GB"] for row in records["big_models"]] == ["never", "never"]
+    steps = records["step_ms"]
+    assert "fsdp2" not in steps or steps["fsdp2"] > 1.5 * steps["ddp"]
 
 
 def check_11(records):

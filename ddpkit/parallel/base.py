@@ -114,19 +114,22 @@ class Strategy:
         else:
             set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
 
+    grad_bytes = 0
+    """Bytes of gradients this rank held in its first step (they have the same shapes every step)."""
+
     def observe_gradients(self, model: torch.nn.Module) -> None:
-        """Called once per step while gradients exist: remembers how many bytes of them this rank holds."""
-        held = sum(tensor_bytes(p.grad) for p in model.parameters() if p.grad is not None)
-        self.grad_bytes = max(getattr(self, "grad_bytes", 0), held)
+        """Called every step while gradients exist; counts their bytes once, so the step pays nothing after."""
+        if not self.grad_bytes:
+            self.grad_bytes = sum(tensor_bytes(p.grad) for p in model.parameters() if p.grad is not None)
 
     def optimizer_bytes(self, optimizer: torch.optim.Optimizer) -> int:
         """Bytes of optimizer state held on this rank."""
         return sum(tensor_bytes(v) for entry in optimizer.state.values() for v in entry.values() if torch.is_tensor(v))
 
     def state_bytes(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-        """What this rank holds, measured: parameters, gradients (the most seen in a step), optimizer state."""
+        """What this rank holds, measured: parameters, gradients (as held in a step), optimizer state."""
         return {"params": sum(tensor_bytes(p) for p in model.parameters()),
-                "grads": getattr(self, "grad_bytes", 0), "optimizer": self.optimizer_bytes(optimizer)}
+                "grads": self.grad_bytes, "optimizer": self.optimizer_bytes(optimizer)}
 
 
 def tensor_bytes(tensor: torch.Tensor) -> int:

@@ -212,16 +212,15 @@ def run_collective(op: str, tensor: torch.Tensor, group=None, out: torch.Tensor 
         raise ValueError(f"unknown collective {op!r}: use one of {', '.join(COLLECTIVES)} or ring_all_reduce")
 
 
-def time_collective(op: str, nbytes: int, group=None, iters: int = 5, warmup: int = 1, best: bool = False) -> float:
-    """Median (``best``: fastest) seconds of one ``op`` on a message of ``nbytes`` (collective: every
-    rank calls). Every call starts from a barrier, so a rank that arrived late is not billed to the
-    collective. On a busy machine the fastest call is the one least disturbed by other processes: what
-    a cost model should be fitted to."""
-    return _timed_calls(op, nbytes, group, iters, warmup)[1 if best else 0]
+def time_collective(op: str, nbytes: int, group=None, iters: int = 5, warmup: int = 1) -> float:
+    """Median seconds of one ``op`` on a message of ``nbytes`` (collective: every rank calls). Every
+    call starts from a barrier, so a rank that arrived late is not billed to the collective."""
+    return _timed_calls(op, nbytes, group, iters, warmup)[0]
 
 
 def _timed_calls(op: str, nbytes: int, group, iters: int, warmup: int) -> tuple[float, float]:
-    """(median, fastest) seconds of ``iters`` calls, each the slowest rank's."""
+    """(median, fastest) seconds of ``iters`` calls, each the slowest rank's. On a busy machine the
+    fastest call is the one least disturbed by other processes: what a cost model should be fitted to."""
     n = dist.get_world_size(group)
     numel = max(n, nbytes // 4 // n * n)
     tensor = torch.ones(numel)

@@ -182,18 +182,26 @@ class _ReplicatedStateMixin:
 
     def sharded_state_dicts(self, model, optimizer) -> tuple[dict, dict]:
         model_state, optimizer_state = self.state_dicts(model, optimizer, rank0_only=False)
-        raw = model.module if hasattr(model, "module") else model
-        if not optimizer_state.get("state"):  # no step yet: whole-shaped zeros for a load to fill
-            group = optimizer_state.get("param_groups") or fqn_optimizer_state(
-                {"state": {}, "param_groups": [{**optimizer.param_groups[0], "params": list(range(len(list(raw.parameters()))))}]},
-                raw)["param_groups"]
-            optimizer_state = {"param_groups": [{k: v for k, v in g.items() if k != "initial_lr"} for g in group],
-                               "state": {name: {"step": torch.zeros(()), **{k: torch.zeros_like(model_state[name]) for k in MOMENTS}}
-                                         for name, p in raw.named_parameters() if p.requires_grad}}
+        if not optimizer_state["state"]:  # no step yet: whole-shaped zeros for a load to fill
+            zeros = {name: {"step": torch.zeros(()), **{k: torch.zeros_like(model_state[name]) for k in MOMENTS}}
+                     for name in optimizer_state["param_groups"][0]["params"]}
+            optimizer_state = {**optimizer_state, "state": zeros}
         return model_state, optimizer_state
+
+    def load_state_dicts(self, model, optimizer, model_state: dict, optimizer_state: dict | None) -> None:
+        """Whole state dicts in: the model's, then the optimizer's (which keeps this rank's part)."""
+        raw = _unwrap(model)
+        raw.load_state_dict(model_state)
+        if optimizer is not None and optimizer_state is not None:
+            optimizer.load_state_dict(index_optimizer_state(optimizer_state, raw))
 
     def load_sharded_state_dicts(self, model, optimizer, model_state, optimizer_state) -> None:
         self.load_state_dicts(model, optimizer, model_state, optimizer_state)
+
+
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The model inside a DDP wrapper (or the model itself)."""
+    return model.module if hasattr(model, "module") else model
 
 
 class ZeroStrategy(_ReplicatedStateMixin, Strategy):
@@ -221,11 +229,6 @@ class ZeroStrategy(_ReplicatedStateMixin, Strategy):
         optimizer_state = fqn_optimizer_state(optimizer.state_dict(), model)  # collective
         return model_state, optimizer_state
 
-    def load_state_dicts(self, model, optimizer, model_state: dict, optimizer_state: dict | None) -> None:
-        model.load_state_dict(model_state)
-        if optimizer is not None and optimizer_state is not None:
-            optimizer.load_state_dict(index_optimizer_state(optimizer_state, model))
-
     def optimizer_bytes(self, optimizer) -> int:
         return optimizer.state_bytes()
 
@@ -244,7 +247,7 @@ class TorchZeroStrategy(_ReplicatedStateMixin, DDPStrategy):
                                        lr=lr, weight_decay=weight_decay)
 
     def state_dicts(self, model, optimizer, rank0_only: bool = True) -> tuple[dict, dict]:
-        raw = model.module if hasattr(model, "module") else model
+        raw = _unwrap(model)
         model_state = {k: v.detach().cpu().clone() for k, v in raw.state_dict().items()}
         group = self.ctx.dp_group if self.ctx and self.ctx.is_distributed else None
         if group is None:
@@ -255,14 +258,8 @@ class TorchZeroStrategy(_ReplicatedStateMixin, DDPStrategy):
             dist.broadcast_object_list(full, src=dist.get_global_rank(group, 0), group=group)
         return model_state, fqn_optimizer_state(full[0], raw) if full[0] is not None else {}
 
-    def load_state_dicts(self, model, optimizer, model_state: dict, optimizer_state: dict | None) -> None:
-        raw = model.module if hasattr(model, "module") else model
-        raw.load_state_dict(model_state)
-        if optimizer is not None and optimizer_state is not None:
-            optimizer.load_state_dict(index_optimizer_state(optimizer_state, raw))
-
     def optimizer_bytes(self, optimizer) -> int:
-        return sum(tensor_bytes(v) for entry in optimizer.optim.state.values() for v in entry.values())
+        return super().optimizer_bytes(optimizer.optim)  # the local AdamW inside: this rank's parameters only
 
 
 def _plain(state_dict: dict) -> dict:
