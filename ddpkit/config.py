@@ -216,7 +216,14 @@ class TrainConfig:
         need(self.tp == 1 or (self.n_heads % self.tp == 0 and 4 * self.d_model % self.tp == 0),
              f"tp {self.tp} must divide the attention heads ({self.n_heads}) and the MLP width ({4 * self.d_model}): "
              f"choose a tp that divides {self.n_heads}")
-        need(self.pp == 1, "pipeline parallelism is not in the trainer yet: use --pp 1 (notebook 13 runs pipelines)")
+        need(self.pp == 1 or self.strategy == "ddp",
+             f"pipeline parallelism combines with strategy ddp across replicas, not {self.strategy}: use --strategy ddp")
+        need(self.pp == 1 or self.model == "gpt", "pipeline parallelism cuts the GPT's blocks into stages: use --model gpt")
+        need(self.pp <= self.n_layers,
+             f"pp {self.pp} is more stages than the model's {self.n_layers} blocks: use --pp <= {self.n_layers} "
+             f"or raise --n-layers")
+        need(not (self.amp == "fp16" and self.pp > 1),
+             "amp fp16 with pp: each stage would decide alone whether to skip a step on overflow; use --amp bf16")
         need(self.global_batch_size <= self.dataset_size,
              f"global batch {self.global_batch_size} (micro {self.micro_batch_size} x accum "
              f"{self.grad_accum} x world {self.dp}) is larger than the dataset "

@@ -113,6 +113,22 @@ class RankContext:
         return self.mesh.get_group("tp")
 
     @property
+    def pp_rank(self) -> int:
+        """This rank's pipeline stage (which layers it holds)."""
+        return self.dims.coords(self.rank)["pp"]
+
+    @property
+    def pp_group(self):
+        """The process group of this rank's pipeline peers: one rank per stage, same dp and tp coordinates."""
+        if self.mesh is None:
+            raise RuntimeError(f"layout {self.dims.describe()} needs its device mesh: ctx = ctx.with_dims(ctx.dims) on every rank")
+        return self.mesh.get_group("pp")
+
+    def stage_rank(self, stage: int) -> int:
+        """Global rank of this rank's peer on pipeline stage ``stage`` (same dp and tp coordinates)."""
+        return self.rank + (stage - self.pp_rank) * self.dims.dp * self.dims.tp
+
+    @property
     def world_group(self):
         """Every rank of the job, named explicitly."""
         return dist.group.WORLD

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -59,28 +58,62 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
     return cfg.lr * min(1.0, (step + 1) / cfg.warmup_steps)
 
 
+class MicroStep:
+    """Forward and backward of one micro-batch, collecting its loss sum and sample ids: ``run(batch)``.
+
+    The loss is the mean over the micro-batch divided by ``accum`` (so that the accumulated gradient is
+    the mean over the step's samples), times ``loss_scale`` (0 for a warm-up pass). Its parts are
+    methods of their own because a pipeline schedule runs them apart: a stage's forward and its
+    backward at different times, the loss only on the last stage (``parallel/pipeline_strategy.py``).
+    """
+
+    def __init__(self, model: torch.nn.Module, scaler: torch.amp.GradScaler, cfg: TrainConfig,
+                 device: torch.device, accum: int, timer: PhaseTimer, sums: list, ids: list) -> None:
+        self.model, self.scaler, self.cfg, self.device = model, scaler, cfg, device
+        self.accum, self.timer, self.sums, self.ids = accum, timer, sums, ids
+
+    def __call__(self, batch: dict, loss_scale: float = 1.0) -> None:
+        inputs, targets = self.to_device(batch)
+        with self.timer("forward_s"), self.autocast():
+            per_sample = loss_fn(self.model(inputs), targets, reduction="none")  # (B,)
+            loss = self.loss(per_sample, loss_scale)
+        self.backward(loss)
+        self.record(per_sample.detach().sum(), batch)
+
+    def to_device(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        with self.timer("h2d_s"):
+            return (batch["inputs"].to(self.device, non_blocking=True),
+                    batch["targets"].to(self.device, non_blocking=True))
+
+    def autocast(self):
+        """The config's mixed precision (bf16 or fp16 autocast), or nothing."""
+        if self.cfg.amp == "off":
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=AMP_DTYPES[self.cfg.amp])
+
+    def loss(self, per_sample: torch.Tensor, loss_scale: float = 1.0) -> torch.Tensor:
+        """What backward starts from: the micro-batch mean / accum (x loss_scale)."""
+        loss = per_sample.mean()
+        if self.accum != 1:  # x / 1 == x exactly: skip the kernel
+            loss = loss / self.accum
+        if loss_scale != 1.0:
+            loss = loss * loss_scale
+        return loss
+
+    def backward(self, loss: torch.Tensor) -> None:
+        with self.timer("backward_s"):
+            self.scaler.scale(loss).backward()  # identity when the scaler is disabled
+
+    def record(self, loss_sum: torch.Tensor, batch: dict) -> None:
+        """Keep the micro-batch's loss sum (a tensor: read once per step) and its sample ids."""
+        self.sums.append(loss_sum)
+        self.ids.append(batch["index"])
+
+
 def micro_step(model: torch.nn.Module, scaler: torch.amp.GradScaler, cfg: TrainConfig, device: torch.device,
-               accum: int, timer: PhaseTimer, sums: list, ids: list) -> Callable[..., None]:
-    """A function that runs forward and backward of one micro-batch, collecting its loss sum and ids."""
-
-    def run(batch: dict, loss_scale: float = 1.0) -> None:
-        with timer("h2d_s"):
-            inputs = batch["inputs"].to(device, non_blocking=True)
-            targets = batch["targets"].to(device, non_blocking=True)
-        autocast = torch.autocast(device.type, dtype=AMP_DTYPES[cfg.amp]) if cfg.amp != "off" else contextlib.nullcontext()
-        with timer("forward_s"), autocast:
-            per_sample = loss_fn(model(inputs), targets, reduction="none")  # (B,)
-            loss = per_sample.mean()
-            if accum != 1:  # x / 1 == x exactly: skip the kernel
-                loss = loss / accum
-            if loss_scale != 1.0:
-                loss = loss * loss_scale
-        with timer("backward_s"):
-            scaler.scale(loss).backward()  # identity when the scaler is disabled
-        sums.append(per_sample.detach().sum())
-        ids.append(batch["index"])
-
-    return run
+               accum: int, timer: PhaseTimer, sums: list, ids: list) -> MicroStep:
+    """A :class:`MicroStep`: a function that runs forward and backward of one micro-batch."""
+    return MicroStep(model, scaler, cfg, device, accum, timer, sums, ids)
 
 
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,

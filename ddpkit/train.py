@@ -3,7 +3,8 @@
 :class:`Trainer` is the whole job on one rank, in the order a reader would explain it:
 
 1. **layout and strategy**: the config's parallel layout (dp x tp x pp) becomes this rank's device
-   mesh, and its strategy (DDP, ZeRO-1, FSDP2: ``parallel/``) wraps the model and builds the optimizer;
+   mesh, and its strategy (DDP, ZeRO-1, FSDP2, tensor or pipeline parallel: ``parallel/``) wraps the
+   model, builds the optimizer and runs each step's micro-batches;
 2. **data**: the dataset, and a sampler that partitions it over the data-parallel ranks and counts
    its position in global samples;
 3. **resume or start clean**: rank 0 picks the newest good checkpoint (or refuses a folder that holds
@@ -38,7 +39,7 @@ from ddpkit.config import TrainConfig
 from ddpkit.data import ResumableDistributedSampler, build_dataset
 from ddpkit.faults import STALL_MARGIN_S, FaultInjection, StallWatchdog
 from ddpkit.hooks import CheckpointEvery, Hook, StepResult
-from ddpkit.models import build_model, loss_fn
+from ddpkit.models import build_model
 from ddpkit.parallel import build_strategy
 from ddpkit.parallel.base import Strategy
 from ddpkit.runtime import RankContext, die_with_parent, seed_everything
@@ -124,8 +125,7 @@ class Trainer:
         if self._probe is None:
             batch = default_collate([self.dataset[i] for i in range(min(PROBE_SAMPLES, len(self.dataset)))])
             self._probe = (batch["inputs"].to(self.ctx.device), batch["targets"].to(self.ctx.device))
-        with torch.no_grad():
-            return float(loss_fn(self.raw_model(self._probe[0]), self._probe[1]))
+        return self.strategy.eval_loss(self.raw_model, *self._probe)
 
     # ------------------------------------------------------------------ checkpoints
 

@@ -146,3 +146,21 @@ def test_every_strategy_trains_and_resumes_exactly_on_the_gpu(tmp_path, strategy
     train("first", "--steps", "3", "--checkpoint-dir", ckpt, "--checkpoint-format", "dcp")
     resumed = train("resumed", "--steps", "6", "--checkpoint-dir", ckpt, "--resume")
     assert resumed["resumed_from_step"] == 3 and resumed["param_sha256"] == whole["param_sha256"]
+
+
+@pytest.mark.skipif(runtime.gpu_count() < 2, reason="needs 2 GPUs: one per rank")
+@pytest.mark.parametrize("layout", [("--tp", "2"), ("--pp", "2")])
+def test_model_parallel_layouts_train_like_one_gpu_on_nccl(tmp_path, layout):
+    """Tensor and pipeline parallelism with NCCL (point-to-point sends and receives of CUDA tensors, norms
+    reduced on the GPU): the same samples and losses as one GPU."""
+    def train(name, world, *extra):
+        path = tmp_path / f"{name}.json"
+        proc = subprocess.run([sys.executable, "-m", "ddpkit", "train", "--world-size", str(world), "--backend", "nccl",
+                               "--model", "gpt", "--grad-accum", "2", "--steps", "6", "--summary-json", str(path), *extra],
+                              capture_output=True, text=True, timeout=300, cwd=REPO, env=cli_env())
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads(path.read_text())
+
+    one, split = train("one", 1), train("split", 2, *layout)
+    assert split["dp"] == 1 and split["data_sha256"] == one["data_sha256"]
+    assert max(abs(a["loss"] - b["loss"]) for a, b in zip(split["losses"], one["losses"])) <= 1e-4

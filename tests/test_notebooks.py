@@ -193,6 +193,9 @@ def check_13(records):
     bubbles = measured["bubbles"]
     first, last = measured["micro_counts"][0], measured["micro_counts"][-1]
     assert bubbles[f"{real[-1]}-{last}"] < bubbles[f"{real[-1]}-{first}"]
+    trainer = records["trainer"]
+    assert trainer["same_data"] and trainer["max_loss_gap"] <= 1e-4
+    assert max(trainer["ratios"].values()) < 1.2 / trainer["stages"]
 
 
 CHECKS = {"01": check_01, "02": check_02, "03": check_03, "04": check_04, "05": check_05, "06": check_06, "07": check_07, "08": check_08,

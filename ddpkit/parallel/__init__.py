@@ -2,10 +2,11 @@
 
 One file per idea: data-parallel strategies (``ddp.py``, ``zero.py``, ``fsdp.py``) behind the small
 interface in ``base.py``; model parallelism (``tensor.py``: layers split across ranks; ``pipeline.py``:
-layers in stages); collectives and what they cost (``comm.py``); memory per rank (``memory.py``);
-``dims.py`` is the parallel layout (dp x tp x pp) and its device mesh. :func:`build_strategy` maps a
-config's ``strategy`` name (and its tp degree) to one. Strategy modules are imported on demand, so
-that importing the layout (which the config does) stays cheap.
+layers in stages, and the schedules; ``pipeline_strategy.py``: the trainer's step as a pipeline);
+collectives and what they cost (``comm.py``); memory per rank (``memory.py``); ``dims.py`` is the
+parallel layout (dp x tp x pp) and its device mesh. :func:`build_strategy` maps a config's ``strategy``
+name (and its tp and pp degrees) to one. Strategy modules are imported on demand, so that importing the
+layout (which the config does) stays cheap.
 """
 
 from __future__ import annotations
@@ -24,6 +25,10 @@ def build_strategy(name: str, ctx):
     """The strategy a config names, for this rank."""
     if name not in STRATEGIES:
         raise ValueError(f"unknown strategy {name!r}: use one of {', '.join(STRATEGIES)}")
+    if ctx is not None and ctx.dims.pp > 1:  # one stage per rank (each split over tp, if asked), dp across
+        from ddpkit.parallel.pipeline_strategy import PipelineStrategy
+
+        return PipelineStrategy(ctx)
     if ctx is not None and ctx.dims.tp > 1:  # each replica split over a tp group, DDP across replicas
         from ddpkit.parallel.tensor import TensorParallelStrategy
 

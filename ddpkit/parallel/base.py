@@ -11,7 +11,8 @@ stages). The trainer never asks *which* strategy it has; it calls, in this order
 4. every step, :meth:`Strategy.forward_backward` over the micro-batches, skipping gradient sync
    (:meth:`Strategy.no_sync`) for all but the last, then :meth:`Strategy.clip_grad_norm_` and the
    optimizer step;
-5. :meth:`Strategy.comm_timer` gives a :class:`~ddpkit.metrics.CommTimer` that measures the
+5. :meth:`Strategy.eval_loss` is the loss on a fixed batch (checked after a restore), and
+   :meth:`Strategy.comm_timer` gives a :class:`~ddpkit.metrics.CommTimer` that measures the
    strategy's gradient communication;
 6. :meth:`Strategy.state_dicts` / :meth:`Strategy.load_state_dicts` move the whole model and optimizer
    state in and out, keyed by parameter name, whatever the sharding (what a ``full`` checkpoint holds);
@@ -71,6 +72,14 @@ class Strategy:
     def clip_grad_norm_(self, model: torch.nn.Module, max_norm: float) -> torch.Tensor:
         """Clip the global gradient norm (a sharded strategy must reduce the norm across shards)."""
         return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+
+    def eval_loss(self, model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        """The model's mean loss on one batch, without gradients, the same on every rank (collective where
+        the model is split: every rank calls it). ``model`` is the unwrapped model."""
+        from ddpkit.models import loss_fn
+
+        with torch.no_grad():
+            return float(loss_fn(model(inputs), targets))
 
     def comm_timer(self, model: torch.nn.Module) -> CommTimer:
         """A timer of this strategy's gradient communication (none here: it reads zero)."""

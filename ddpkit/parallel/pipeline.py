@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
 
 SCHEDULES = ("gpipe", "1f1b")
 MIN_1F1B_TORCH = (2, 8)  # Schedule1F1B on gloo hangs before (seen with 2.4.1 and 2.7.1; 2.8.0 works)
@@ -141,7 +142,8 @@ def in_flight(timeline: list[dict], stage: int) -> int:
 
 class GPTStage(nn.Module):
     """Blocks ``start:end`` of a :class:`~ddpkit.models.TinyGPT`, with the embeddings on the first
-    stage and the final norm and head on the last (the same module objects: gradients land in them)."""
+    stage and the final norm and head on the last (the same module objects: gradients land in them).
+    It runs exactly the whole model's operations, in its order, so a pipeline computes the same numbers."""
 
     def __init__(self, model: nn.Module, start: int, end: int) -> None:
         super().__init__()
@@ -149,12 +151,14 @@ class GPTStage(nn.Module):
         self.tok_emb, self.pos_emb = (model.tok_emb, model.pos_emb) if self.first else (None, None)
         self.blocks = nn.ModuleList(model.blocks[start:end])
         self.ln_f, self.lm_head = (model.ln_f, model.lm_head) if self.last else (None, None)
+        self.activation_checkpointing = model.activation_checkpointing
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.first:  # token ids (B, T) -> embeddings (B, T, C)
             x = self.tok_emb(x) + self.pos_emb(torch.arange(x.shape[1], device=x.device))
+        recompute = self.activation_checkpointing and torch.is_grad_enabled()
         for block in self.blocks:
-            x = block(x)
+            x = checkpoint(block, x, use_reentrant=False) if recompute else block(x)
         return self.lm_head(self.ln_f(x)) if self.last else x  # (B, T, vocab) on the last stage
 
 

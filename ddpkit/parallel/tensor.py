@@ -206,11 +206,12 @@ def grad_norm_squared(model: nn.Module, group) -> torch.Tensor:
     """The unsplit model's squared gradient norm: split parameters' parts summed over the tp group,
     replicated ones counted once."""
     split_ids = {id(p) for m in split_modules(model).values() for n, p in m.named_parameters() if m._dim(n) is not None}
-    sharded = torch.zeros((), dtype=torch.float64)
-    replicated = torch.zeros((), dtype=torch.float64)
+    device = next(p.grad.device for p in model.parameters() if p.grad is not None)  # NCCL reduces on the GPU
+    sharded = torch.zeros((), dtype=torch.float64, device=device)
+    replicated = torch.zeros((), dtype=torch.float64, device=device)
     for p in model.parameters():
         if p.grad is not None:
-            value = p.grad.detach().double().pow(2).sum().cpu()
+            value = p.grad.detach().double().pow(2).sum()
             if id(p) in split_ids:
                 sharded += value
             else:

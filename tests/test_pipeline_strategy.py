@@ -1,0 +1,77 @@
+"""Pipeline parallelism in the trainer: the same samples and losses as DDP and as one process, alone and
+with tensor parallelism, less memory per rank, exact resume, and resume onto another layout."""
+
+import json
+
+import pytest
+
+from ddpkit import train
+from ddpkit.config import TrainConfig
+from ddpkit.launch import launch
+from tests.conftest import run_cli
+
+TRAIN = dict(model="gpt", dataset_size=512, steps=8, log_every=100)
+
+
+def run(world: int, **changes) -> dict:
+    return launch(train.run, TrainConfig(world_size=world, **{**TRAIN, **changes}), world_size=world, output="none")[0]
+
+
+def close(a: dict, b: dict, tol: float = 1e-4) -> bool:
+    """Same steps, losses within ``tol``."""
+    steps = [x["step"] for x in a["losses"]] == [x["step"] for x in b["losses"]]
+    return steps and max(abs(x["loss"] - y["loss"]) for x, y in zip(a["losses"], b["losses"])) <= tol
+
+
+def test_pp_inside_dp_trains_like_ddp_through_the_cli(tmp_path):
+    def summary(name, *args):
+        path = tmp_path / f"{name}.json"
+        proc = run_cli("train", "--model", "gpt", "--dataset-size", "512", "--steps", "8", "--summary-json", str(path), *args)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return json.loads(path.read_text())
+
+    ddp = summary("ddp", "--world-size", "2")
+    pp = summary("pp", "--world-size", "4", "--pp", "2")
+    assert (pp["dp"], pp["tp"], pp["pp"], pp["global_batch_size"]) == (2, 1, 2, ddp["global_batch_size"])
+    assert pp["data_sha256"] == ddp["data_sha256"] and close(pp, ddp)
+    # each stage runs the whole model's operations in its order, and with 2 replicas (a + b == b + a)
+    # the gradient average is DDP's to the bit: so are the weights
+    assert pp["param_sha256"] == ddp["param_sha256"]
+    for kind in ("params", "grads", "optimizer"):  # each rank holds one stage: about half
+        assert pp["state_bytes_per_rank"][kind] < 0.6 * ddp["state_bytes_per_rank"][kind], kind
+    both = summary("tp-pp", "--world-size", "4", "--tp", "2", "--pp", "2", "--grad-accum", "2")  # dp 1: 2 micro-batches
+    assert (both["dp"], both["tp"], both["pp"], both["global_batch_size"]) == (1, 2, 2, ddp["global_batch_size"])
+    assert both["data_sha256"] == ddp["data_sha256"] and close(both, ddp)
+
+
+def test_four_stages_equal_one_process_with_activation_checkpointing_changing_nothing():
+    common = dict(n_layers=4, grad_accum=4, micro_batch_size=4)
+    one = run(1, **common)
+    four = run(4, pp=4, **common)
+    assert (four["dp"], four["pp"]) == (1, 4) and four["data_sha256"] == one["data_sha256"] and close(four, one, 1e-5)
+    recomputed = run(4, pp=4, activation_checkpointing=True, **common)
+    assert recomputed["param_sha256"] == four["param_sha256"]  # recomputing a forward gives the same numbers
+
+
+@pytest.mark.parametrize("fmt", ["full", "dcp"])
+def test_resume_is_exact_on_the_same_layout_and_moves_between_pp_and_dp(tmp_path, fmt):
+    whole = run(4, pp=2, checkpoint_format=fmt)
+    run(4, pp=2, checkpoint_dir=str(tmp_path / "a"), checkpoint_format=fmt, steps=4)
+    same = run(4, pp=2, checkpoint_dir=str(tmp_path / "a"), checkpoint_format=fmt, resume=True)
+    assert (same["resumed_from_step"], same["param_sha256"], same["optimizer_sha256"], same["data_sha256"]) == \
+        (4, whole["param_sha256"], whole["optimizer_sha256"], whole["data_sha256"])
+    run(4, pp=2, checkpoint_dir=str(tmp_path / "b"), checkpoint_format=fmt, steps=4)
+    moved = run(2, checkpoint_dir=str(tmp_path / "b"), checkpoint_format=fmt, resume=True)  # pp 2 -> dp only
+    assert (moved["pp"], moved["resumed_from_step"]) == (1, 4) and moved["data_sha256"] == whole["data_sha256"]
+    assert close(moved, {"losses": whole["losses"][4:]})
+    back = run(4, pp=2, checkpoint_dir=str(tmp_path / "b"), checkpoint_format=fmt, resume=True, steps=10)  # dp -> pp 2
+    assert (back["pp"], back["resumed_from_step"]) == (2, 8) and [x["step"] for x in back["losses"]] == [9, 10]
+
+
+def test_bad_pipeline_layouts_are_refused_before_any_rank_starts():
+    for args, words in [(("--pp", "3", "--world-size", "3", "--model", "gpt"), "more stages than the model's 2 blocks"),
+                        (("--pp", "2", "--world-size", "3", "--model", "gpt"), "multiple of 2"),
+                        (("--pp", "2", "--world-size", "2"), "use --model gpt"),
+                        (("--pp", "2", "--world-size", "2", "--model", "gpt", "--amp", "fp16"), "--amp bf16")]:
+        proc = run_cli("train", *args, timeout=60)
+        assert proc.returncode == 2 and words in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, (args, proc.stderr)
