@@ -9,7 +9,9 @@ range, every folder and file the run will write or read, and a resume that would
 weights do not reproduce its recorded loss) is reported the same way, one line and exit code 2. A
 rank failure prints the launcher's root-cause report; with ``--max-restarts N`` the whole world is
 restarted from the newest good checkpoint (the way torchrun's ``--max-restarts`` restarts a job), up
-to N times.
+to N times. SIGTERM (or SIGUSR1) to this process, or SIGTERM to any one rank, is a preemption notice:
+with a ``--checkpoint-dir``, every rank stops after the same step and saves it, and the run exits with
+code 75 and the command that resumes it (``preemption.py``).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from ddpkit.config import AMP_MODES, CHECKPOINT_FORMATS, FAIL_MODES, MODELS, STR
 from ddpkit.errors import UserError
 from ddpkit.failures import LaunchError, knock_on_line, raised_in_collective
 from ddpkit.launch import MAX_LOCAL_RANKS, launch
+from ddpkit.preemption import PREEMPTED_EXIT, passed_on_to_ranks, resume_command
 
 
 class _Parser(argparse.ArgumentParser):
@@ -63,8 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="full: one file written by rank 0; dcp: shards from every rank (default: the resumed "
                         "checkpoint's format, else dcp for fsdp2 and full otherwise)")
     p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every)
-    p.add_argument("--checkpoint-every-s", type=float, default=d.checkpoint_every_s,
-                   help="also save when this many seconds have passed since the last save")
+    p.add_argument("--checkpoint-every-s", "--save-every-s", dest="checkpoint_every_s", type=float,
+                   default=d.checkpoint_every_s,
+                   help="also save when this many seconds have passed since the last save (rank 0's clock decides)")
     p.add_argument("--keep-last", type=int, default=d.keep_last)
     p.add_argument("--resume", action="store_true", help="continue from the newest good checkpoint")
     p.add_argument("--overwrite-checkpoints", action="store_true",
@@ -175,14 +179,16 @@ def main(argv: list[str] | None = None) -> int:
         check_before_launch(cfg, attempt)
     except (ValueError, UserError) as exc:
         return _refuse(exc)
+    argv = sys.argv[1:] if argv is None else list(argv)
     if runtime.under_torchrun():  # torchrun made us one rank; it also owns restarts
-        _run_as_torchrun_worker(restarted(cfg) if attempt > 0 else cfg, attempt)
+        _run_as_torchrun_worker(restarted(cfg) if attempt > 0 else cfg, attempt, argv)
     for attempt in range(cfg.max_restarts + 1):
         run_cfg = restarted(cfg) if attempt > 0 else cfg
         try:
-            launch(train.run, run_cfg, attempt, world_size=cfg.world_size, backend=cfg.backend,
-                   timeout=cfg.timeout, output="all")
-            return 0
+            with passed_on_to_ranks():
+                summary = launch(train.run, run_cfg, attempt, world_size=cfg.world_size, backend=cfg.backend,
+                                 timeout=cfg.timeout, output="all")[0]
+            return _preempted(cfg, summary, argv) if summary["emergency_checkpoint_step"] is not None else 0
         except LaunchError as exc:
             if exc.is_user_error:  # a restart would fail the same way
                 return _refuse(exc.root_cause.message)
@@ -193,20 +199,30 @@ def main(argv: list[str] | None = None) -> int:
     return 1
 
 
-def _run_as_torchrun_worker(cfg: TrainConfig, attempt: int) -> None:
+def _preempted(cfg: TrainConfig, summary: dict, argv: list[str]) -> int:
+    """One line: where the emergency checkpoint is and how to resume; the preempted exit code."""
+    folder = checkpoint.latest_good(cfg.checkpoint_dir, deep=False)
+    print(f"ddpkit: preempted: every rank stopped after step {summary['emergency_checkpoint_step']} and saved it "
+          f"to {folder}; resume with: {resume_command(argv)}", file=sys.stderr, flush=True)
+    return PREEMPTED_EXIT
+
+
+def _run_as_torchrun_worker(cfg: TrainConfig, attempt: int, argv: list[str]) -> None:
     """Train as the rank torchrun made this process, then end it with ``os._exit``.
 
     Like the launcher's ranks, a worker leaves after a final barrier without tearing its process group
     down: a teardown at interpreter exit can abort ("terminate called without an active exception") or,
     seen once with torch 2.4.1 under torchrun's restarts, hang. Exit codes: 0 done, 2 a user error
-    (one line), 1 anything else (with its traceback).
+    (one line), 75 preempted (an emergency checkpoint was saved), 1 anything else (with its traceback).
     """
     code = 1
     try:
         ctx = runtime.init_process_group(runtime.RankContext.from_env(cfg.backend), cfg.timeout)
-        train.run(ctx, cfg, attempt)
+        summary = train.run(ctx, cfg, attempt)
         dist.barrier()
         code = 0
+        if summary["emergency_checkpoint_step"] is not None:
+            code = _preempted(cfg, summary, argv) if ctx.is_main else PREEMPTED_EXIT
     except UserError as exc:
         code = _refuse(exc)
     except BaseException as exc:  # noqa: BLE001 - reported here, then the process ends

@@ -32,7 +32,7 @@ from ddpkit.parallel.dims import ParallelDims
 
 MODELS = ("mlp", "gpt")
 AMP_MODES = ("off", "bf16", "fp16")
-FAIL_MODES = ("raise", "exit", "kill", "hang", "slow")
+FAIL_MODES = ("raise", "exit", "kill", "hang", "slow", "sigterm")
 STRATEGIES = ("ddp", "zero1", "zero1-torch", "fsdp2")
 CHECKPOINT_FORMATS = ("full", "dcp")
 MAX_SEED = 2**32 - 1  # numpy's limit; derived seeds (seed x 1,000,003 + epoch) stay inside torch's 64 bits
@@ -157,7 +157,8 @@ class TrainConfig:
     """Fault injection: the rank that fails."""
     fail_mode: str = runtime("raise")
     """Fault injection: ``raise`` an exception, ``exit`` the process, ``kill`` it with SIGKILL, ``hang``,
-    or ``slow``: from ``fail_at_step`` on, spend ``slow_step_s`` more per step (a straggler)."""
+    or ``slow``: from ``fail_at_step`` on, spend ``slow_step_s`` more per step (a straggler); ``sigterm``:
+    send itself SIGTERM, a preemption notice to this rank only."""
     slow_step_s: float = runtime(0.05)
     """Fault injection, mode ``slow``: extra seconds the slow rank spends loading each step's data."""
 

@@ -2,8 +2,9 @@
 
 * :class:`FaultInjection` makes one rank fail once, reproducibly, after a given step: ``raise`` an
   exception, ``exit`` the process, ``kill`` it with SIGKILL (what the OOM killer or a preempted node
-  does: no exception, no exit code), ``hang``, or from that step on run ``slow`` (a straggler). It
-  fails only on the first attempt, so a restarted run can finish.
+  does: no exception, no exit code), ``hang``, or from that step on run ``slow`` (a straggler); or
+  send itself ``sigterm``, a preemption notice (``preemption.py``). It fails only on the first
+  attempt, so a restarted run can finish.
 * :class:`StallWatchdog` bounds every step. A peer's collective timeout catches a rank that hangs,
   but a world of one has no peer, and a rank can hang outside any collective. The watchdog is
   ``faulthandler``'s C-level timer: if the next step does not finish in time, it writes every
@@ -47,6 +48,9 @@ class FaultInjection(Hook):
         if step != cfg.fail_at_step or self.attempt != 0:
             return
         print(f"injecting failure ({cfg.fail_mode}) on rank {rank} after step {step}", flush=True)
+        if cfg.fail_mode == "sigterm":  # notice of preemption, to this rank only (what a scheduler may send)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
         if cfg.fail_mode == "raise":
             raise InjectedFailure(f"injected failure after step {step} on rank {rank}")
         if cfg.fail_mode == "exit":

@@ -42,6 +42,7 @@ from ddpkit.hooks import CheckpointEvery, Hook, StepResult
 from ddpkit.models import build_model
 from ddpkit.parallel import build_strategy
 from ddpkit.parallel.base import Strategy
+from ddpkit.preemption import Preemption
 from ddpkit.runtime import RankContext, die_with_parent, seed_everything
 from ddpkit.step import (
     PhaseTimer,
@@ -91,8 +92,12 @@ class Trainer:
         self.log = metrics.MetricsLogger(ctx, cfg.metrics_dir, cfg.log_every)
         self.progress = progress.Reporter.from_env(ctx.is_main)  # live view in the launching notebook
         self.hooks = [FaultInjection(cfg, attempt), *(hooks or [])]
+        self.stop_requested = False  # set by a hook that ends the run early, on every rank at the same step
+        self.preemption = None
         if cfg.checkpoint_dir:
             self.hooks.append(CheckpointEvery(cfg.checkpoint_every, cfg.steps, cfg.checkpoint_every_s))
+            self.preemption = Preemption().install()  # after the cadence: it saves only if that did not
+            self.hooks.append(self.preemption)
         self._batches = None
         self._probe = None  # built on first use: a run that never saves or restores never loads it
         self.comm = self.strategy.comm_timer(self.model)
@@ -280,7 +285,7 @@ class Trainer:
         watchdog.pet()
         try:
             self.prepare()
-            while self.step < cfg.steps:
+            while self.step < cfg.steps and not self.stop_requested:
                 self.run_step()
                 watchdog.pet()
             for hook in self.hooks:
@@ -292,6 +297,8 @@ class Trainer:
 
     def close(self) -> None:
         """Close the logs and shut DataLoader workers down now (not when the garbage collector gets to it)."""
+        if self.preemption is not None:
+            self.preemption.uninstall()
         self.log.close()
         self.progress.close()
         self._batches = self.loader = None
@@ -313,6 +320,7 @@ class Trainer:
             "state_bytes_per_rank": self.strategy.state_bytes(self.model, self.optimizer),
             "checkpoint_format": cfg.checkpoint_format, "activation_checkpointing": cfg.activation_checkpointing,
             "resumed_from_step": self.resumed_from, "restarts": self.attempt, "config_digest": cfg.digest(),
+            "emergency_checkpoint_step": self.preemption.saved_step if self.preemption else None,
             "phase_s": phase_means, "wall_s": time.perf_counter() - self.started, "rank": ctx.rank,
         }
         self.log.event("end", self.step, param_sha256=summary["param_sha256"], data_sha256=self.data_sha256)
