@@ -26,6 +26,7 @@ import json
 import os
 import pickle
 import re
+import resource
 import shutil
 import threading
 import time
@@ -125,7 +126,29 @@ def publish(root: str | Path, step: int, tmp: Path, files: dict[str, dict], meta
 def save(root: str | Path, step: int, state: Any, keep_last: int = 3, meta: dict | None = None) -> Path:
     """Write ``state`` as checkpoint ``step`` with the ``full`` writer (one ``torch.save`` file)."""
     tmp = prepare(root, step)
-    return publish(root, step, tmp, {STATE_FILE: write_torch(tmp / STATE_FILE, state)}, meta, keep_last)
+    try:
+        return publish(root, step, tmp, {STATE_FILE: write_torch(tmp / STATE_FILE, state)}, meta, keep_last)
+    except (OSError, RuntimeError) as exc:
+        raise save_failed(root, step, tmp, exc) from exc
+
+
+def save_failed(root: str | Path, step: int, tmp: Path, exc: BaseException) -> CheckpointError:
+    """A save that could not finish (a full disk, a quota, a file-size limit, an I/O error): its
+    temporary folder goes, and the error says why, how much room is left, and that the newest good
+    checkpoint is untouched. (``torch.save``'s C++ writer hides the errno: "unexpected pos ...", so the
+    free space is what makes a full disk recognisable.)"""
+    shutil.rmtree(tmp, ignore_errors=True)
+    cause = os.strerror(exc.errno) if isinstance(exc, OSError) and exc.errno else _first_line(exc)
+    size_limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if size_limit != resource.RLIM_INFINITY:
+        cause += f"; this process may write files of at most {size_limit} bytes (ulimit -f)"
+    free = shutil.disk_usage(root).free if Path(root).exists() else 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        previous = latest_good(root, deep=False)
+    return CheckpointError(f"saving checkpoint step {step} in {root} failed ({cause}; {free / 2**20:.0f} MiB free "
+                           f"there): free space or choose another --checkpoint-dir; the newest good checkpoint is "
+                           f"still {previous.name if previous else 'none'}")
 
 
 # --------------------------------------------------------------------------- housekeeping

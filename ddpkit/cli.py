@@ -78,6 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-dir", default=None)
     p.add_argument("--summary-json", default=None)
     p.add_argument("--log-every", type=int, default=d.log_every)
+    p.add_argument("--nan-guard", action="store_true",
+                   help="skip a step with a non-finite or spiking loss; roll back on a second in a row")
+    p.add_argument("--spike-factor", type=float, default=d.spike_factor,
+                   help="with --nan-guard: a loss above this x the recent median is a spike")
     p.add_argument("--fail-at-step", type=int, default=None)
     p.add_argument("--fail-rank", type=int, default=d.fail_rank)
     p.add_argument("--fail-mode", choices=FAIL_MODES, default=d.fail_mode)

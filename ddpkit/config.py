@@ -32,7 +32,7 @@ from ddpkit.parallel.dims import ParallelDims
 
 MODELS = ("mlp", "gpt")
 AMP_MODES = ("off", "bf16", "fp16")
-FAIL_MODES = ("raise", "exit", "kill", "hang", "slow", "sigterm")
+FAIL_MODES = ("raise", "exit", "kill", "hang", "slow", "sigterm", "nan", "spike")
 STRATEGIES = ("ddp", "zero1", "zero1-torch", "fsdp2")
 CHECKPOINT_FORMATS = ("full", "dcp")
 MAX_SEED = 2**32 - 1  # numpy's limit; derived seeds (seed x 1,000,003 + epoch) stay inside torch's 64 bits
@@ -151,6 +151,11 @@ class TrainConfig:
     """Rank 0 writes the run summary here at the end."""
     log_every: int = runtime(10)
     """Rank 0 prints a loss-table row every N steps (and the last one)."""
+    nan_guard: bool = runtime(False)
+    """Reject a step whose global loss or gradient norm is not finite, or whose loss is a spike; roll back
+    to the newest good checkpoint on a second rejection in a row (``guard.py``)."""
+    spike_factor: float = runtime(3.0)
+    """With nan_guard: a loss above this x the median of the recent accepted losses is a spike."""
     fail_at_step: int | None = runtime(None)
     """Fault injection: fail once, after this many optimizer steps."""
     fail_rank: int = runtime(0)
@@ -158,7 +163,8 @@ class TrainConfig:
     fail_mode: str = runtime("raise")
     """Fault injection: ``raise`` an exception, ``exit`` the process, ``kill`` it with SIGKILL, ``hang``,
     or ``slow``: from ``fail_at_step`` on, spend ``slow_step_s`` more per step (a straggler); ``sigterm``:
-    send itself SIGTERM, a preemption notice to this rank only."""
+    send itself SIGTERM, a preemption notice to this rank only; ``nan``: this rank's forward gives NaN for
+    one step (a bad batch); ``spike``: every rank's weights are damaged (x 8) before the step."""
     slow_step_s: float = runtime(0.05)
     """Fault injection, mode ``slow``: extra seconds the slow rank spends loading each step's data."""
 
@@ -202,6 +208,8 @@ class TrainConfig:
         need(0 < self.lr <= 1, f"lr must be in (0, 1], got {self.lr}")
         need(0 <= self.weight_decay < 1, f"weight-decay must be in [0, 1), got {self.weight_decay}")
         need(self.grad_clip >= 0, f"grad-clip must be >= 0, got {self.grad_clip}")
+        need(isinstance(self.nan_guard, bool), "nan-guard must be True or False")
+        need(1 < self.spike_factor <= 1e6, f"spike-factor must be in (1, 1e6], got {self.spike_factor}")
         for name in ("data_delay_s", "slow_step_s"):
             need(0 <= getattr(self, name) <= MAX_DELAY_S, f"{flag(name)} must be in [0, {MAX_DELAY_S:g}] seconds, got {getattr(self, name)}")
         check_timeout(self.timeout)

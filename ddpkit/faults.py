@@ -3,8 +3,9 @@
 * :class:`FaultInjection` makes one rank fail once, reproducibly, after a given step: ``raise`` an
   exception, ``exit`` the process, ``kill`` it with SIGKILL (what the OOM killer or a preempted node
   does: no exception, no exit code), ``hang``, or from that step on run ``slow`` (a straggler); or
-  send itself ``sigterm``, a preemption notice (``preemption.py``). It fails only on the first
-  attempt, so a restarted run can finish.
+  send itself ``sigterm``, a preemption notice (``preemption.py``); or make one step's forward ``nan``
+  on this rank (a bad batch), or damage every rank's weights for a loss ``spike`` (what the loss guard,
+  ``guard.py``, is for). It fails only on the first attempt, so a restarted run can finish.
 * :class:`StallWatchdog` bounds every step. A peer's collective timeout catches a rank that hangs,
   but a world of one has no peer, and a rank can hang outside any collective. The watchdog is
   ``faulthandler``'s C-level timer: if the next step does not finish in time, it writes every
@@ -20,9 +21,12 @@ import signal
 import sys
 import time
 
+import torch
+
 from ddpkit.config import TrainConfig
 from ddpkit.hooks import Hook
 
+SPIKE_DAMAGE = 8.0  # --fail-mode spike multiplies every weight by this: the loss jumps and stays up
 STALL_MARGIN_S = 10.0  # a step may take the collective timeout plus this before its rank is stopped
 
 
@@ -38,7 +42,14 @@ class FaultInjection(Hook):
 
     def before_step(self, trainer) -> None:
         cfg, step, rank = self.cfg, trainer.step, trainer.ctx.rank
+        if cfg.fail_mode == "spike" and step == cfg.fail_at_step and self.attempt == 0:
+            self.damage_weights(trainer)  # every rank: replicas that apply the same update get the same damage
+            return
         if cfg.fail_at_step is None or rank != cfg.fail_rank:
+            return
+        if cfg.fail_mode == "nan":
+            if step == cfg.fail_at_step and self.attempt == 0:
+                self._hook = self.computing_module(trainer).register_forward_hook(lambda m, i, out: out * float("nan"))
             return
         if cfg.fail_mode == "slow":
             if step >= cfg.fail_at_step:
@@ -59,6 +70,26 @@ class FaultInjection(Hook):
             os.kill(os.getpid(), signal.SIGKILL)
         while True:  # hang: the other ranks block in the next collective until it times out
             time.sleep(1)
+
+
+    _hook = None
+
+    def after_step(self, trainer, result) -> None:
+        if self._hook is not None:  # one bad step only
+            self._hook.remove()
+            self._hook = None
+
+    @staticmethod
+    def computing_module(trainer):
+        """The module whose forward this rank runs (inside a DDP wrapper, or a pipeline stage)."""
+        return getattr(trainer.model, "module", trainer.model)
+
+    def damage_weights(self, trainer) -> None:
+        print(f"injecting failure (spike): weights x {SPIKE_DAMAGE:g} on rank {trainer.ctx.rank} after step "
+              f"{trainer.step}", flush=True)
+        with torch.no_grad():
+            for p in self.computing_module(trainer).parameters():
+                p.mul_(SPIKE_DAMAGE)
 
 
 class StallWatchdog:

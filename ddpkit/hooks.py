@@ -79,6 +79,8 @@ class CheckpointEvery(Hook):
 
     def after_step(self, trainer, result: StepResult) -> None:
         timed = bool(self.every_s) and self.time_is_due(trainer)
+        if getattr(trainer, "step_rejected", False):  # the loss guard rejected it: its state may be damaged
+            return
         if (self.every and result.step % self.every == 0) or timed or result.step == self.last_step:
             result.checkpoint_s, result.checkpoint_bytes = trainer.save()
             trainer.log.event("checkpoint_saved", result.step, seconds=result.checkpoint_s,

@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from ddpkit import checkpoint
 from ddpkit.checkpoint import CheckpointError
@@ -107,9 +108,12 @@ def save(ctx, root: str, step: int, model_state: dict, optimizer_state: dict, ex
     """Write a dcp checkpoint (collective: every rank calls with its own, possibly sharded, state).
     ``optimizer_state`` is keyed by parameter name; its ``param_groups`` go to ``extra.pt``."""
     tmp = _agree_on_folder(ctx, root, step)
-    dcp.save(_tensors(model_state, optimizer_state), storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True),
-             process_group=_world(ctx))
-    final = seal(ctx, root, step, tmp, {**extra, "param_groups": optimizer_state["param_groups"]}, meta, keep_last)
+    try:  # DCP reports any rank's write error on every rank
+        dcp.save(_tensors(model_state, optimizer_state), storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True),
+                 process_group=_world(ctx))
+        final = seal(ctx, root, step, tmp, {**extra, "param_groups": optimizer_state["param_groups"]}, meta, keep_last)
+    except (OSError, RuntimeError, CheckpointException) as exc:
+        raise checkpoint.save_failed(root, step, tmp, exc) from exc
     if ctx.is_distributed:
         dist.barrier(group=ctx.world_group)
     return final

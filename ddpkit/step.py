@@ -20,7 +20,9 @@ per step.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -118,10 +120,12 @@ def micro_step(model: torch.nn.Module, scaler: torch.amp.GradScaler, cfg: TrainC
 
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
                micro_batches: list[dict], cfg: TrainConfig, device: torch.device,
-               timer: PhaseTimer | None = None, strategy: Strategy | None = None) -> tuple[float, list[int]]:
+               timer: PhaseTimer | None = None, strategy: Strategy | None = None,
+               guard: Callable[[float, float], bool] | None = None) -> tuple[float, list[int]]:
     """One optimizer step. Returns (sum of per-sample losses on this rank, sample ids used here).
 
-    ``strategy`` defaults to DDP's rule (``no_sync`` when the model is wrapped in DDP).
+    ``strategy`` defaults to DDP's rule (``no_sync`` when the model is wrapped in DDP). ``guard(loss_sum,
+    grad_norm)``, if given, is asked after backward whether to apply the step at all (``guard.py``).
     """
     if strategy is None:
         from ddpkit.parallel.ddp import DDPStrategy
@@ -134,16 +138,23 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler:
                                                                timer, sums, ids))
     with timer("optimizer_s"):
         scaler.unscale_(optimizer)  # before clipping: clip the true gradient, not the scaled one
-        if cfg.grad_clip > 0:
-            strategy.clip_grad_norm_(model, cfg.grad_clip)
-        scaler.step(optimizer)  # skips the step if fp16 gradients overflowed
+        norm = None
+        if cfg.grad_clip > 0 or guard is not None:  # clipping at infinity measures the norm, changes nothing
+            norm = strategy.clip_grad_norm_(model, cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
+        if guard is None or guard(_loss_sum(sums), float(norm)):
+            scaler.step(optimizer)  # skips the step if fp16 gradients overflowed
         scaler.update()
         strategy.observe_gradients(model)
         optimizer.zero_grad(set_to_none=True)
+    return _loss_sum(sums), [i for t in ids for i in t.tolist()]
+
+
+def _loss_sum(sums: list[torch.Tensor]) -> float:
+    """One host sync per step, summed in the same order and precision as it always was."""
     loss_sum = 0.0
-    for s in sums:  # one host sync per step, summed in the same order and precision as it always was
+    for s in sums:
         loss_sum += float(s)
-    return loss_sum, [i for t in ids for i in t.tolist()]
+    return loss_sum
 
 
 def example_batch(cfg: TrainConfig) -> dict:

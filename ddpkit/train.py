@@ -38,6 +38,7 @@ from ddpkit.checkpoint import CheckpointError
 from ddpkit.config import TrainConfig
 from ddpkit.data import ResumableDistributedSampler, build_dataset
 from ddpkit.faults import STALL_MARGIN_S, FaultInjection, StallWatchdog
+from ddpkit.guard import MAX_REJECTED, VERDICTS, GuardError, LossGuard
 from ddpkit.hooks import CheckpointEvery, Hook, StepResult
 from ddpkit.models import build_model
 from ddpkit.parallel import build_strategy
@@ -93,6 +94,8 @@ class Trainer:
         self.progress = progress.Reporter.from_env(ctx.is_main)  # live view in the launching notebook
         self.hooks = [FaultInjection(cfg, attempt), *(hooks or [])]
         self.stop_requested = False  # set by a hook that ends the run early, on every rank at the same step
+        self.guard = LossGuard(cfg.spike_factor) if cfg.nan_guard else None
+        self.step_rejected, self._verdict, self._step_total = False, "ok", 0.0
         self.preemption = None
         if cfg.checkpoint_dir:
             self.hooks.append(CheckpointEvery(cfg.checkpoint_every, cfg.steps, cfg.checkpoint_every_s))
@@ -232,13 +235,19 @@ class Trainer:
         for _ in range(cfg.grad_accum):
             with self.timer("data_s"):
                 micro_batches.append(self.next_micro_batch())
+        self.step_rejected = False
         loss_sum, ids = train_step(self.model, self.optimizer, self.scaler, micro_batches, cfg, ctx.device,
-                                   self.timer, self.strategy)
-        with self.timer("sync_s"):  # the step's own small collectives, so "the rest" is accounted for
-            total_loss = global_loss_sum(ctx, loss_sum)
+                                   self.timer, self.strategy, self.judge if self.guard else None)
+        if self.guard:  # the guard has already made the global loss
+            total_loss = self._step_total
+        else:
+            with self.timer("sync_s"):  # the step's own small collectives, so "the rest" is accounted for
+                total_loss = global_loss_sum(ctx, loss_sum)
         self.step += 1
         self.consumed += cfg.global_batch_size
         self._unhashed_ids.append(ids)
+        if self.guard:
+            self.after_verdict(total_loss / cfg.global_batch_size, ids)
         if len(self._unhashed_ids) >= DATA_HASH_EVERY:
             with self.timer("sync_s"):
                 self.fold_data_hash()
@@ -258,6 +267,57 @@ class Trainer:
                       **result.phases)
         self.progress.step(result.step, cfg.steps, result.loss)
         return result
+
+    # ------------------------------------------------------------------ the loss guard (guard.py)
+
+    def judge(self, loss_sum: float, grad_norm: float) -> bool:
+        """Apply this step? Asked by the step after backward, on every rank (see ``guard.py``)."""
+        ctx = self.ctx
+        with self.timer("sync_s"):
+            self._step_total = global_loss_sum(ctx, loss_sum)
+            verdict = self.guard.verdict(self._step_total / self.cfg.global_batch_size, grad_norm)
+            code = torch.tensor([VERDICTS.index(verdict)], dtype=torch.int32)
+            if ctx.is_distributed:  # the worst verdict of any rank is everyone's
+                code = code.to(ctx.device)
+                dist.all_reduce(code, op=dist.ReduceOp.MAX, group=ctx.world_group)
+        self._verdict = VERDICTS[int(code.item())]
+        return self._verdict == "ok"
+
+    def after_verdict(self, loss: float, ids: list[int]) -> None:
+        """Record an accepted step, or a rejected one (skip it, or roll back on the second in a row)."""
+        if self._verdict == "ok":
+            self.guard.accept(loss)
+            return
+        self.step_rejected = True
+        global_ids = [i for i in gather_sample_ids(self.ctx, [ids])[0] if i >= 0]
+        action = self.guard.reject(self.step, self._verdict, global_ids)
+        self.log.event("step_rejected", self.step, reason=self._verdict, action=action)
+        if self.ctx.is_main:
+            print(f"ddpkit: step {self.step} rejected ({self._verdict} loss or gradient): {action}", flush=True)
+        if action == "rollback":
+            self.rollback()
+
+    def rollback(self) -> None:
+        """Every rank goes back to the newest good checkpoint's weights, optimizer and scaler; the data
+        position, step count and sample fingerprint go on (the batches in between are undone)."""
+        choice = [str(checkpoint.latest_good(self.cfg.checkpoint_dir) or "") if self.ctx.is_main and self.cfg.checkpoint_dir else ""]
+        if self.ctx.is_distributed:
+            dist.broadcast_object_list(choice, src=0, group=self.ctx.world_group)
+        if not choice[0]:
+            if self.guard.rejected_in_a_row >= MAX_REJECTED:
+                raise GuardError(f"the loss guard rejected {MAX_REJECTED} steps in a row and there is no checkpoint to "
+                                 f"roll back to: add --checkpoint-dir with --checkpoint-every, or lower --lr")
+            return
+        saved = self.read_checkpoint(choice[0])
+        load = self.strategy.load_sharded_state_dicts if saved.get("format") == "dcp" else self.strategy.load_state_dicts
+        load(self.model, self.optimizer, saved["model"], saved["optimizer"])
+        if self.scaler.is_enabled():
+            self.scaler.load_state_dict(saved["scaler"])
+        state.check_probe(saved, self.probe_loss())
+        self.guard.rolled_back(self.step, saved["train"]["step"])
+        self.log.event("rolled_back", self.step, to_step=saved["train"]["step"])
+        if self.ctx.is_main:
+            print(f"ddpkit: rolled back to the checkpoint of step {saved['train']['step']}", flush=True)
 
     def fold_data_hash(self) -> str:
         """Bring ``data_sha256`` up to date: fold in the global sample ids of the steps since the last
@@ -321,6 +381,9 @@ class Trainer:
             "checkpoint_format": cfg.checkpoint_format, "activation_checkpointing": cfg.activation_checkpointing,
             "resumed_from_step": self.resumed_from, "restarts": self.attempt, "config_digest": cfg.digest(),
             "emergency_checkpoint_step": self.preemption.saved_step if self.preemption else None,
+            "rollbacks": self.guard.rollbacks if self.guard else 0,
+            "skipped_batches": self.guard.skipped_batches if self.guard else [],
+            "guard_events": self.guard.events if self.guard else [],
             "phase_s": phase_means, "wall_s": time.perf_counter() - self.started, "rank": ctx.rank,
         }
         self.log.event("end", self.step, param_sha256=summary["param_sha256"], data_sha256=self.data_sha256)

@@ -103,6 +103,12 @@ class ZeroAdamW(torch.optim.Optimizer):
         self.master.grad.mul_(torch.clamp(max_norm / (total + 1e-6), max=1.0))
         return total
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop the model's gradients and this rank's reduced shard of them (a step may be skipped after
+        clipping reduced them: the next step must reduce its own)."""
+        super().zero_grad(set_to_none=set_to_none)
+        self.master.grad, self._reduced = None, False
+
     @torch.no_grad()
     def step(self, closure: Callable | None = None):
         """Reduce-scatter (if clipping has not already), AdamW on the shard, all-gather the parameters."""
