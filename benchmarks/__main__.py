@@ -14,6 +14,7 @@ import async_save  # noqa: E402
 import checkpoint_cost  # noqa: E402
 import collectives  # noqa: E402
 import launch_latency  # noqa: E402
+import recovery  # noqa: E402
 import sharding_memory  # noqa: E402
 import startup  # noqa: E402
 import trainer_overhead  # noqa: E402
@@ -28,6 +29,7 @@ def main() -> None:
     launch_latency.main(repeats=3 if quick else 15, teardown_launches=20 if quick else 200)
     startup.main(repeats=2 if quick else 5)
     collectives.main(repeats=2 if quick else 5)
+    recovery.main(repeats=1 if quick else 3)
     sharding_memory.main(steps=2 if quick else 3)
     async_save.main(repeats=1 if quick else 3)
 

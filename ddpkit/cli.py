@@ -31,6 +31,7 @@ from ddpkit.errors import UserError
 from ddpkit.failures import LaunchError, knock_on_line, raised_in_collective
 from ddpkit.launch import MAX_LOCAL_RANKS, launch
 from ddpkit.preemption import PREEMPTED_EXIT, passed_on_to_ranks, resume_command
+from ddpkit.recovery import note_failure_detected
 
 
 class _Parser(argparse.ArgumentParser):
@@ -196,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         except LaunchError as exc:
             if exc.is_user_error:  # a restart would fail the same way
                 return _refuse(exc.root_cause.message)
+            note_failure_detected(cfg.metrics_dir, attempt)
             print(f"ddpkit: attempt {attempt + 1} failed: {exc}", file=sys.stderr)
             if attempt < cfg.max_restarts:
                 print(f"ddpkit: restarting all {cfg.world_size} ranks from the newest good checkpoint "

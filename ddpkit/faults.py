@@ -59,6 +59,7 @@ class FaultInjection(Hook):
         if step != cfg.fail_at_step or self.attempt != 0:
             return
         print(f"injecting failure ({cfg.fail_mode}) on rank {rank} after step {step}", flush=True)
+        trainer.log.event("fault_injected", step, mode=cfg.fail_mode)  # when the fault struck: recovery.py
         if cfg.fail_mode == "sigterm":  # notice of preemption, to this rank only (what a scheduler may send)
             os.kill(os.getpid(), signal.SIGTERM)
             return

@@ -71,7 +71,7 @@ class Trainer:
             raise ValueError(f"unknown restore mode {restore!r}: use one of {', '.join(RESTORE_MODES)}")
         self.cfg = cfg = cfg.replace(world_size=ctx.world_size)
         self.ctx = ctx = ctx.with_dims(cfg.dims)
-        self.attempt, self.started = attempt, time.perf_counter()
+        self.attempt, self.started, wall_started = attempt, time.perf_counter(), time.time()
         seed_everything(cfg.seed)
         self.strategy = build_strategy(cfg.strategy, ctx)
         self.raw_model = build_model(cfg).to(ctx.device)
@@ -91,6 +91,7 @@ class Trainer:
         self.resumed_from, self.losses, self.phase_totals = 0, [], dict.fromkeys(metrics.PHASES, 0.0)
         self.timer = PhaseTimer(ctx.device)
         self.log = metrics.MetricsLogger(ctx, cfg.metrics_dir, cfg.log_every)
+        self.log.event("started", 0, time=wall_started, attempt=attempt)  # the process is up: recovery.py times from it
         self.progress = progress.Reporter.from_env(ctx.is_main)  # live view in the launching notebook
         self.hooks = [FaultInjection(cfg, attempt), *(hooks or [])]
         self.stop_requested = False  # set by a hook that ends the run early, on every rank at the same step
