@@ -198,9 +198,22 @@ def check_13(records):
     assert max(trainer["ratios"].values()) < 1.2 / trainer["stages"]
 
 
+def check_14(records):
+    assert records["preemption"] == {"exit_code": 75, "saved_step": records["preemption"]["saved_step"], "bitwise": True}
+    assert records["deadlock"]["alone_failed"] and records["deadlock"]["agreed_step"] == 2
+    cadence = records["cadence"]
+    assert cadence["seconds"]["worst_lost_s"] < cadence["steps"]["worst_lost_s"]
+    guard = records["guard"]
+    assert guard["final"]["nan, no guard"] is None and guard["final"]["nan, guard"] is not None
+    assert guard["rollbacks"] == 1 and guard["final"]["spike, guard"] < guard["final"]["spike, no guard"]
+    assert records["torn"] == {"skipped": "step-00000010", "used": "step-00000005"}
+    assert set(records["recovery"]) == {"ddpkit", "torchrun"}
+    assert all(t["total_s"] < 300 for t in records["recovery"].values())
+
+
 CHECKS = {"01": check_01, "02": check_02, "03": check_03, "04": check_04, "05": check_05, "06": check_06, "07": check_07, "08": check_08,
           "09": check_09, "10": check_10, "11": check_11, "12": check_12,
-          "13": check_13}
+          "13": check_13, "14": check_14}
 
 
 def test_every_notebook_has_a_results_check():
