@@ -63,11 +63,11 @@ def test_notice_to_one_worker_under_torchrun_stops_every_rank_at_one_step(tmp_pa
 
 
 def test_a_decision_taken_per_rank_hangs_until_the_timeout_and_the_agreed_one_saves(tmp_path):
-    cfg = TrainConfig(steps=20, checkpoint_dir=str(tmp_path / "ck"), log_every=100)
+    cfg = TrainConfig(steps=20, checkpoint_dir=str(tmp_path / "ck"), log_every=100, timeout=3)
     started = time.monotonic()
     with pytest.raises(LaunchError):
         launch(preemption.per_rank_decision_demo, cfg, kwargs={"agree": False}, world_size=2, timeout=3, output="none")
-    assert time.monotonic() - started < 3 + 25, "bounded by the collective timeout"
+    assert time.monotonic() - started < 3 + 10 + 15, "bounded by the collective timeout, or the stall limit after it"
     agreed = launch(preemption.per_rank_decision_demo, cfg.replace(checkpoint_dir=str(tmp_path / "ok")),
                     kwargs={"agree": True}, world_size=2, timeout=10, output="none")
     assert [r["stopped_at"] for r in agreed] == [2, 2] and [r["emergency_checkpoint_step"] for r in agreed] == [2, 2]
