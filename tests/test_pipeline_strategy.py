@@ -1,14 +1,12 @@
 """Pipeline parallelism in the trainer: the same samples and losses as DDP and as one process, alone and
 with tensor parallelism, less memory per rank, exact resume, and resume onto another layout."""
 
-import json
-
 import pytest
 
 from ddpkit import train
 from ddpkit.config import TrainConfig
 from ddpkit.launch import launch
-from tests.conftest import run_cli
+from tests.conftest import run_cli, train_summary
 
 TRAIN = dict(model="gpt", dataset_size=512, steps=8, log_every=100)
 
@@ -25,10 +23,7 @@ def close(a: dict, b: dict, tol: float = 1e-4) -> bool:
 
 def test_pp_inside_dp_trains_like_ddp_through_the_cli(tmp_path):
     def summary(name, *args):
-        path = tmp_path / f"{name}.json"
-        proc = run_cli("train", "--model", "gpt", "--dataset-size", "512", "--steps", "8", "--summary-json", str(path), *args)
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        return json.loads(path.read_text())
+        return train_summary(tmp_path, name, "--model", "gpt", "--dataset-size", "512", "--steps", "8", *args)
 
     ddp = summary("ddp", "--world-size", "2")
     pp = summary("pp", "--world-size", "4", "--pp", "2")
