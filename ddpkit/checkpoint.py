@@ -143,9 +143,8 @@ def save_failed(root: str | Path, step: int, tmp: Path, exc: BaseException) -> C
     if size_limit != resource.RLIM_INFINITY:
         cause += f"; this process may write files of at most {size_limit} bytes (ulimit -f)"
     free = shutil.disk_usage(root).free if Path(root).exists() else 0
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        previous = latest_good(root, deep=False)
+    # looked up without repairing anything (latest_good would): the folder is left as the failure left it
+    previous = next((p for p in list_checkpoints(root) if verify(p, deep=False) is None), None)
     return CheckpointError(f"saving checkpoint step {step} in {root} failed ({cause}; {free / 2**20:.0f} MiB free "
                            f"there): free space or choose another --checkpoint-dir; the newest good checkpoint is "
                            f"still {previous.name if previous else 'none'}")
