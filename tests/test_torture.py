@@ -81,7 +81,7 @@ def test_sigkill_at_random_instants_of_a_save_never_loads_a_torn_checkpoint(tmp_
         time.sleep(rng.uniform(0.02, 0.3))
         os.kill(writer.pid, signal.SIGKILL)
         writer.join()
-        left = set(os.listdir(root))
+        left = set(os.listdir(root)) if os.path.isdir(root) else set()  # killed before its first save began
         inside_a_save += any(name.startswith(".tmp-") for name in left)  # killed mid-save (earlier ones are gone)
         for name in left:  # a dead writer's temporary folder is never a candidate, so it can go
             if name.startswith(".tmp-"):
