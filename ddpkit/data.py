@@ -70,7 +70,14 @@ class MarkovTokens(Dataset):
         for t in range(seq_len):
             tokens[:, t + 1] = torch.multinomial(probs[tokens[:, t]], 1, generator=gen).squeeze(1)
         self.tokens = tokens  # (N, T+1)
+        self.transition = probs  # (V, V): the rule a model can learn
         self.delay_s = delay_s
+
+    def entropy_floor(self) -> float:
+        """The mean loss of the chain itself on this data, -log P(next | current): no model can do
+        better on average (every position depends on the token before it only)."""
+        current, following = self.tokens[:, :-1], self.tokens[:, 1:]
+        return float(-self.transition[current, following].log().mean())
 
     def __len__(self) -> int:
         return len(self.tokens)

@@ -211,9 +211,22 @@ def check_14(records):
     assert all(t["total_s"] < 300 for t in records["recovery"].values())
 
 
+def check_15(records):
+    learning = records["learning"]
+    assert learning["last"] < learning["chance"] / 2 and learning["zero_gap"] <= 1e-4
+    assert records["predictions"]["after"] >= records["predictions"]["before"] + 0.5
+    invariants = records["invariants"]
+    assert invariants["same_norms"] and invariants["optimizer_bytes"] == invariants["expected"]
+    resume = records["resume"]
+    assert resume["round_trip"] and resume["on4_bitwise"] and resume["on2_same_data"] and resume["on2_gap"] <= 1e-4
+    assert records["throughput"]["tokens_per_s"] > 0
+    exercises = records["exercises"]
+    assert exercises["tp_diff"] <= 1e-6 and exercises["accum_gap"] <= 1e-5 and exercises["rollbacks"] == 1
+
+
 CHECKS = {"01": check_01, "02": check_02, "03": check_03, "04": check_04, "05": check_05, "06": check_06, "07": check_07, "08": check_08,
           "09": check_09, "10": check_10, "11": check_11, "12": check_12,
-          "13": check_13, "14": check_14}
+          "13": check_13, "14": check_14, "15": check_15}
 
 
 def test_every_notebook_has_a_results_check():
