@@ -224,9 +224,15 @@ def check_15(records):
     assert exercises["tp_diff"] <= 1e-6 and exercises["accum_gap"] <= 1e-5 and exercises["rollbacks"] == 1
 
 
+def check_16(records):
+    from ddpkit.drill import QUESTIONS
+
+    assert records["drill"]["keys"] == sorted(q.key for q in QUESTIONS) and records["drill"]["rehearsed"] == []
+
+
 CHECKS = {"01": check_01, "02": check_02, "03": check_03, "04": check_04, "05": check_05, "06": check_06, "07": check_07, "08": check_08,
           "09": check_09, "10": check_10, "11": check_11, "12": check_12,
-          "13": check_13, "14": check_14, "15": check_15}
+          "13": check_13, "14": check_14, "15": check_15, "16": check_16}
 
 
 def test_every_notebook_has_a_results_check():
