@@ -1,0 +1,210 @@
+"""The benchmark report: one Markdown page with plots, from the JSON every benchmark wrote.
+
+``python benchmarks/report.py`` (``python -m benchmarks`` runs it last) reads ``results/*.json`` and
+writes ``results/REPORT.md`` and ``results/plots/*.png``, and puts the summary table into the README
+between its ``benchmarks:table`` markers, so the README's numbers are always the last measured ones.
+A benchmark whose JSON is missing is left out, not invented.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+START, END = "<!-- benchmarks:table -->", "<!-- /benchmarks:table -->"
+
+
+def load(results_dir: str = RESULTS) -> dict[str, dict]:
+    found = {}
+    for name in sorted(os.listdir(results_dir)):
+        if name.endswith(".json") and not name.startswith("notebook_"):
+            with open(os.path.join(results_dir, name)) as handle:
+                found[name[:-5]] = json.load(handle)
+    return found
+
+
+def _ms(x: float) -> str:
+    return f"{1e3 * x:.1f} ms"
+
+
+def table_rows(r: dict[str, dict]) -> list[list[str]]:
+    """benchmark | ddpkit | baseline | ratio | target, one row per measurement that has a JSON."""
+    rows = []
+    if "checkpoint_cost" in r:
+        s = r["checkpoint_cost"]["save"]
+        rows.append([f"checkpoint save, {r['checkpoint_cost']['bytes'] / 1e6:.0f} MB, atomic + fsynced + sha256 manifest",
+                     _ms(s["ddpkit_atomic_verified"]["median_s"]), f"`torch.save` + `fsync` {_ms(s['torch_save_fsync']['median_s'])}",
+                     f"{s['ratio_to_torch_save_fsync']:.2f}x ({s['ratio_to_torch_save']:.2f}x plain `torch.save`)",
+                     f"<= {s['target_ratio_to_torch_save_fsync']}x"])
+    if "trainer_overhead" in r:
+        o = r["trainer_overhead"]["step_overhead"]
+        rows.append(["trainer step, world 2, MLP, micro-batch 32", _ms(o["ddpkit"]["median_s"]),
+                     f"hand-written DDP loop {_ms(o['hand_written']['median_s'])}",
+                     f"{o['paired_ratio_median']:.2f}x ({o['ratio_without_comm_timing']:.2f}x without the comm-timing hook)",
+                     f"<= {o['target_ratio']}x"])
+        w = r["trainer_overhead"]["weak_scaling"]
+        rows.append(["weak scaling, 2 ranks vs 1, compute-bound MLP", f"{w['two_ranks_samples_per_s']:,.0f} samples/s",
+                     f"1 rank {w['one_rank_samples_per_s']:,.0f} samples/s", f"efficiency {w['efficiency']:.2f}",
+                     f">= {w['target_efficiency']}"])
+    if "launch_latency" in r:
+        l2, l4 = r["launch_latency"]["world_2"], r["launch_latency"]["world_4"]
+        other = "accelerate_notebook_launcher" if "accelerate_notebook_launcher" in l2 else "raw_start_processes"
+        label = "`accelerate.notebook_launcher`" if other.startswith("accelerate") else "raw `start_processes`"
+        ratio = "ratio_to_accelerate" if other.startswith("accelerate") else "ratio_to_raw"
+        rows.append(["launch of 2 / 4 ranks to a barrier and back", f"{_ms(l2['ddpkit']['median_s'])} / {_ms(l4['ddpkit']['median_s'])}",
+                     f"{label} {_ms(l2[other]['median_s'])} / {_ms(l4[other]['median_s'])}",
+                     f"{l2[ratio]:.2f}x / {l4[ratio]:.2f}x", "<= 1x"])
+    if "startup" in r:
+        s = r["startup"]
+        rows.append([f"{s['command']}, from the shell to exit", f"{s['wall_s']['median_s']:.1f} s", "", "", f"< {s['goal_s']:g} s"])
+    if "collectives" in r:
+        c = r["collectives"]
+        ratios = [row["ring_over_gloo"] for row in c["rows"]]
+        rows.append([f"ring all-reduce from `send`/`recv`, {c['world_size']} ranks, "
+                     f"{c['rows'][0]['bytes'] / 2**20:.0f}-{c['rows'][-1]['bytes'] / 2**20:.0f} MB", "hand-written ring",
+                     "gloo's `all_reduce`", f"{min(ratios):.2f}-{max(ratios):.2f}x", "report"])
+        rows.append([f"gloo `all_reduce` busbw at {c['rows'][-1]['bytes'] / 2**20:.0f} MB", f"{c['rows'][-1]['gloo_busbw'] / 1e9:.1f} GB/s",
+                     f"memory copy {c['memcpy_bandwidth'] / 1e9:.0f} GB/s", f"{c['gloo_busbw_64mb_over_memcpy']:.0%} of the limit", "report"])
+    if "sharding_memory" in r:
+        m = r["sharding_memory"]["results"]
+        cells = [f"{key.replace('_world', ', world ')}: " + ", ".join(f"{k} {v:.2f}" for k, v in m[key]["ratio_to_ddp"].items() if k != "ddp")
+                 for key in ("gpt_world2", "gpt_world4") if key in m]
+        rows.append(["optimizer state per rank (fullest rank) over DDP's", "; ".join(cells), "DDP", "", "<= 1/N + 5%"])
+    if "async_save" in r:
+        a = r["async_save"]
+        rows.append([f"async DCP save, {a['state_bytes'] / 1e6:.0f} MB, {a['world_size']} ranks",
+                     f"training stalls {_ms(min(a['async_stall_s']))}-{_ms(max(a['async_stall_s']))}",
+                     f"synchronous DCP save {_ms(min(a['sync_dcp_s']))}-{_ms(max(a['sync_dcp_s']))}",
+                     f"{a['stall_over_sync_median']:.0%} (median)", f"<= {a['target']:.0%}"])
+    if "recovery" in r:
+        rec = r["recovery"]["recovery_median"]
+        rows.append(["recovery after a killed rank, to the first step after the restart",
+                     f"launcher {rec['ddpkit']['total_s']:.2f} s", f"torchrun {rec['torchrun']['total_s']:.2f} s", "",
+                     f"< {r['recovery']['target_s']:g} s"])
+        cad = r["recovery"]["cadence"]
+        rows.append(["worst work lost to a failure, steps slowing down, same number of saves",
+                     f"every {cad['seconds']['every']:.2f} s: {cad['seconds']['worst_lost_s']:.2f} s",
+                     f"every {cad['steps']['every']} steps: {cad['steps']['worst_lost_s']:.2f} s",
+                     f"{r['recovery']['worst_lost_ratio_seconds_over_steps']:.2f}x", "report"])
+    if "pipeline_bubble" in r:
+        p = r["pipeline_bubble"]
+        last = [row for row in p["rows"] if row["micro_batches"] == max(x["micro_batches"] for x in p["rows"])]
+        rows.append([f"pipeline bubble, {p['stages']} stages, {last[0]['micro_batches']} micro-batches",
+                     ", ".join(f"{row['schedule']} {row['measured']:.2f}" for row in last), f"(p-1)/(m+p-1) = {last[0]['predicted']:.2f}",
+                     "", "report"])
+    return rows
+
+
+def markdown_table(rows: list[list[str]]) -> str:
+    lines = ["| benchmark | ddpkit | baseline | ratio | target |", "|---|---|---|---|---|"]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
+
+
+def plots(r: dict[str, dict], out_dir: str) -> list[tuple[str, str]]:
+    """PNG files (title, path relative to the report) for the benchmarks that have results."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    os.makedirs(out_dir, exist_ok=True)
+    made = []
+
+    def save(fig, name, title):
+        fig.tight_layout()
+        fig.savefig(os.path.join(out_dir, f"{name}.png"), dpi=90)
+        plt.close(fig)
+        made.append((title, f"plots/{name}.png"))
+
+    if "launch_latency" in r:
+        fig, ax = plt.subplots(figsize=(6, 3))
+        for i, world in enumerate(("world_2", "world_4")):
+            d = r["launch_latency"][world]
+            names = [k for k in ("ddpkit", "raw_start_processes", "accelerate_notebook_launcher") if k in d]
+            ax.bar([i * 4 + j for j in range(len(names))], [1e3 * d[k]["median_s"] for k in names],
+                   color=["#3182bd", "#9ecae1", "#fdae6b"][: len(names)], label=names if i == 0 else None)
+        ax.set_xticks([1, 5], ["2 ranks", "4 ranks"]); ax.set_ylabel("ms"); ax.legend(fontsize=7)
+        save(fig, "launch_latency", "Launch latency: ddpkit vs raw fork vs accelerate")
+    if "collectives" in r:
+        c = r["collectives"]
+        fig, ax = plt.subplots(figsize=(6, 3))
+        sizes = [row["bytes"] for row in c["rows"]]
+        ax.plot(sizes, [row["gloo_busbw"] / 1e9 for row in c["rows"]], "o-", label="gloo all_reduce busbw")
+        ax.axhline(c["memcpy_bandwidth"] / 1e9, color="k", ls="--", label="memory copy")
+        ax.set_xscale("log", base=2); ax.set_yscale("log"); ax.set_xlabel("bytes"); ax.set_ylabel("GB/s"); ax.legend(fontsize=7)
+        save(fig, "allreduce_bandwidth", "All-reduce bandwidth vs the memory-copy limit")
+    if "sharding_memory" in r:
+        m = r["sharding_memory"]["results"]
+        fig, ax = plt.subplots(figsize=(7, 3))
+        keys = list(m)
+        strategies = list(m[keys[0]]["ratio_to_ddp"])
+        for j, strategy in enumerate(strategies):
+            ax.bar([i * (len(strategies) + 1) + j for i in range(len(keys))], [m[k]["ratio_to_ddp"][strategy] for k in keys], label=strategy)
+        ax.set_xticks([i * (len(strategies) + 1) + 1.5 for i in range(len(keys))], keys, fontsize=8)
+        ax.set_ylabel("optimizer bytes / DDP's"); ax.legend(fontsize=7)
+        save(fig, "memory_per_rank", "Optimizer state per rank, by strategy")
+    if "pipeline_bubble" in r:
+        p = r["pipeline_bubble"]
+        fig, ax = plt.subplots(figsize=(6, 3))
+        ms = sorted({row["micro_batches"] for row in p["rows"]})
+        ax.plot(ms, [next(row["predicted"] for row in p["rows"] if row["micro_batches"] == m) for m in ms], "k--", label="(p-1)/(m+p-1)")
+        for name in sorted({row["schedule"] for row in p["rows"]}):
+            ax.plot(ms, [next(row["measured"] for row in p["rows"] if row["micro_batches"] == m and row["schedule"] == name) for m in ms],
+                    "o-", label=f"{name}, measured")
+        ax.set_xscale("log", base=2); ax.set_xlabel("micro-batches"); ax.set_ylabel("bubble"); ax.legend(fontsize=7)
+        save(fig, "pipeline_bubble", "Pipeline bubble, measured vs predicted")
+    if "recovery" in r:
+        rec = r["recovery"]["recovery_median"]
+        fig, ax = plt.subplots(figsize=(6, 2.5))
+        for i, name in enumerate(rec):
+            left = 0.0
+            for part, color in zip(("detection_s", "restart_s", "restore_s", "first_step_s"), ("#fdae6b", "#9ecae1", "#3182bd", "#a1d99b")):
+                ax.barh(i, rec[name][part], left=left, color=color, label=part[:-2] if i == 0 else None)
+                left += rec[name][part]
+        ax.set_yticks(range(len(rec)), list(rec)); ax.set_xlabel("seconds"); ax.legend(fontsize=7, ncol=4)
+        save(fig, "recovery", "Recovery time after a killed rank")
+    if "checkpoint_cost" in r:
+        s = r["checkpoint_cost"]["save"]
+        fig, ax = plt.subplots(figsize=(6, 2.5))
+        names = ["torch_save", "torch_save_fsync", "ddpkit_atomic_verified"]
+        ax.barh(names, [1e3 * s[n]["median_s"] for n in names], color=["#9ecae1", "#6baed6", "#3182bd"]); ax.set_xlabel("ms")
+        save(fig, "checkpoint_cost", "Checkpoint save cost")
+    return made
+
+
+def write_report(results_dir: str = RESULTS, readme: str | None = README) -> str:
+    """Write REPORT.md (and its plots) into ``results_dir``; update the README's table. Returns the report's path."""
+    r = load(results_dir)
+    table = markdown_table(table_rows(r))
+    made = plots(r, os.path.join(results_dir, "plots"))
+    machine = next(iter(r.values()), {})
+    lines = ["# ddpkit benchmark report", "",
+             f"Measured with torch {machine.get('torch', '?')}, Python {machine.get('python', '?')}, {machine.get('cpus', '?')} CPUs; "
+             "each benchmark runs ddpkit and its baseline side by side in one run. Targets, not tests.", "", table, ""]
+    for title, path in made:
+        lines += [f"## {title}", "", f"![{title}]({path})", ""]
+    lines += ["## When each was measured", ""] + [f"- `{name}`: {d.get('when', '?')}" for name, d in r.items()]
+    path = os.path.join(results_dir, "REPORT.md")
+    with open(path, "w") as handle:
+        handle.write("\n".join(lines) + "\n")
+    if readme:
+        update_readme(readme, table)
+    return path
+
+
+def update_readme(readme: str, table: str) -> None:
+    with open(readme) as handle:
+        text = handle.read()
+    if START not in text or END not in text:
+        raise ValueError(f"{readme} has no {START} ... {END} markers for the benchmark table")
+    text = re.sub(re.escape(START) + r".*?" + re.escape(END), lambda _: f"{START}\n{table}\n{END}", text, flags=re.S)
+    with open(readme, "w") as handle:
+        handle.write(text)
+
+
+if __name__ == "__main__":
+    print(write_report(*(sys.argv[1:2] or [RESULTS])))
