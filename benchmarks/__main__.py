@@ -10,10 +10,10 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import _common  # noqa: E402
 import async_save  # noqa: E402
 import checkpoint_cost  # noqa: E402
 import collectives  # noqa: E402
-import _common  # noqa: E402
 import launch_latency  # noqa: E402
 import pipeline_bubble  # noqa: E402
 import recovery  # noqa: E402
