@@ -87,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fail-rank", type=int, default=d.fail_rank)
     p.add_argument("--fail-mode", choices=FAIL_MODES, default=d.fail_mode)
     p.add_argument("--slow-step-s", type=float, default=d.slow_step_s, help="extra seconds per step (--fail-mode slow)")
+    c = commands.add_parser("check", help="execute exercise notebooks and print one line per exercise")
+    c.add_argument("paths", nargs="+", help="exercise notebooks (.ipynb)")
+    c.add_argument("--timeout", type=float, default=300.0, help="seconds any one cell may run")
     return parser
 
 
@@ -178,6 +181,10 @@ def check_before_launch(cfg: TrainConfig, attempt: int = 0) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "check":  # an instructor's view of a room's notebooks
+        from ddpkit.exercises.grading import main as check_notebooks
+
+        return check_notebooks(args.paths, args.timeout)
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) if runtime.under_torchrun() else 0
     try:
         cfg = config_from_args(args)

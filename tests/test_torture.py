@@ -36,6 +36,7 @@ def _state(step: int) -> tuple[dict, dict]:
 def _resume_then_save_forever(root: str, fmt: str, report: str, port: int) -> None:
     """A writer that first resumes (loads the newest good checkpoint and checks it holds its own step's
     values), reports, then saves step after step until it is killed."""
+    torch.set_num_threads(1)  # forked from a process whose OpenMP pool may be live: a parallel op would hang
     ctx = None
     if fmt == "dcp":
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")

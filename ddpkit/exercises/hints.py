@@ -1,0 +1,29 @@
+"""The hints each exercise reveals on demand, weakest first (``ddpkit.exercises.hint(name, level)``)."""
+
+HINTS = {
+    'sampler': [
+        'Compute the epoch and the offset inside it from the consumed count with divmod.',
+        'Shuffle with torch.randperm and a torch.Generator seeded with seed + epoch, never the global RNG.',
+        'Rank r takes order[offset + r : samples_per_epoch : world_size].',
+    ],
+    'train_step': [
+        '`with ddp_model.no_sync():` must hold the forward as well as the backward.',
+        "Divide each micro-batch's loss by len(micro_batches) before backward.",
+        'scaler.unscale_(optimizer), then clip_grad_norm_, then scaler.step(optimizer) and scaler.update().',
+    ],
+    'checkpoint': [
+        'Never write to the final name: write a temporary file in the same folder first.',
+        'os.replace(tmp, final) is atomic on POSIX; fsync the file before it.',
+        'load_fn only considers final names, newest step first.',
+    ],
+    'ring_all_reduce': [
+        'torch.tensor_split(tensor, world) gives N views, even when the length does not divide.',
+        'In reduce-scatter step s, rank r sends chunk (r - s) mod N and receives chunk (r - s - 1) mod N.',
+        'Post the send and the receive together (batch_isend_irecv, or isend then recv), or every rank blocks in send.',
+    ],
+    'zero1': [
+        'Flatten all parameters into one vector and pad it to a multiple of the world size.',
+        'dist.reduce_scatter_tensor(shard, padded_grads) then divide by the world size.',
+        'After the inner AdamW step, dist.all_gather_into_tensor and copy back into every parameter.',
+    ],
+}

@@ -1,0 +1,300 @@
+"""The exercise checks: each solution (taken from its solution notebook) passes, each untouched stub gets
+"not implemented yet", and each known mistake gets its own sentence; a rank that raises or hangs is
+named within the check's time limit."""
+
+import contextlib
+import time
+from pathlib import Path
+
+import nbformat
+import pytest
+import torch
+import torch.distributed as dist
+
+from ddpkit.exercises.checkpointing import check_checkpoint
+from ddpkit.exercises.collectives import check_ring_all_reduce
+from ddpkit.exercises.data import check_sampler
+from ddpkit.exercises.sharding import check_zero1
+from ddpkit.exercises.step import check_train_step
+
+EXERCISES = Path(__file__).resolve().parents[1] / "exercises"
+
+
+def code_between_markers(path: Path) -> str:
+    nb = nbformat.read(path, as_version=4)
+    return next(c.source for c in nb.cells if c.cell_type == "code" and "### begin" in c.source)
+
+
+def load(notebook: str, *names: str, solved: bool = True):
+    namespace = {"__name__": "__main__"}  # as in a notebook cell: ranks get it by fork
+    exec(compile(code_between_markers(EXERCISES / ("solutions" if solved else "") / notebook), notebook, "exec"), namespace)
+    found = [namespace[n] for n in names]
+    return found[0] if len(found) == 1 else found
+
+
+# --------------------------------------------------------------------------- the sampler
+
+Sampler = load("02_sampler.ipynb", "ResumableDistributedSampler")
+
+
+class OnlyTheFirstEpoch(Sampler):  # the handbook's bug: the position is never taken modulo the epoch
+    def _mine(self):
+        epoch = self.consumed // self.per_epoch
+        order = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + epoch)).tolist()
+        return order[self.consumed + self.rank:self.per_epoch:self.world]
+
+
+class NeverReshuffles(Sampler):
+    def _mine(self):
+        offset = self.consumed % self.per_epoch
+        order = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed)).tolist()
+        return order[offset + self.rank:self.per_epoch:self.world]
+
+
+class GlobalRandom(Sampler):  # the process's RNG: another order every time it is asked
+    def _mine(self):
+        offset = self.consumed % self.per_epoch
+        return torch.randperm(self.n).tolist()[offset + self.rank:self.per_epoch:self.world]
+
+
+class Blocked(Sampler):  # another valid layout: each rank a contiguous block of every global batch
+    def _mine(self):
+        epoch, offset = divmod(self.consumed, self.per_epoch)
+        order = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + epoch)).tolist()
+        share = self.batch // self.world
+        return [i for start in range(offset, self.per_epoch, self.batch)
+                for i in order[start + self.rank * share:start + (self.rank + 1) * share]]
+
+
+def test_sampler_check():
+    assert check_sampler(Sampler).passed and check_sampler(Blocked).passed
+    assert check_sampler(load("02_sampler.ipynb", "ResumableDistributedSampler", solved=False)).message == \
+        "not implemented yet: write ResumableDistributedSampler between the markers"
+    assert "epoch 1 trained 0 samples: only the first epoch trains" in check_sampler(OnlyTheFirstEpoch).message
+    assert "every epoch has the same global batches" in check_sampler(NeverReshuffles).message
+    assert "another order" in check_sampler(GlobalRandom).message
+
+
+# --------------------------------------------------------------------------- the train step
+
+train_step = load("05_train_step.ipynb", "train_step")
+
+
+def backward_only_in_no_sync(ddp_model, optimizer, scaler, micro_batches, loss_fn, grad_clip):
+    optimizer.zero_grad()
+    losses = []
+    for k, (x, y) in enumerate(micro_batches):
+        loss = loss_fn(ddp_model(x), y) / len(micro_batches)  # forward outside no_sync: DDP will all-reduce
+        with contextlib.nullcontext() if k == len(micro_batches) - 1 else ddp_model.no_sync():
+            scaler.scale(loss).backward()
+        losses.append(loss.item() * len(micro_batches))
+    scaler.unscale_(optimizer)
+    torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), grad_clip)
+    scaler.step(optimizer)
+    scaler.update()
+    return sum(losses) / len(losses)
+
+
+def not_divided(ddp_model, optimizer, scaler, micro_batches, loss_fn, grad_clip):
+    optimizer.zero_grad()
+    losses = []
+    for k, (x, y) in enumerate(micro_batches):
+        with contextlib.nullcontext() if k == len(micro_batches) - 1 else ddp_model.no_sync():
+            loss = loss_fn(ddp_model(x), y)
+            scaler.scale(loss).backward()
+        losses.append(loss.item())
+    scaler.unscale_(optimizer)
+    torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), grad_clip)
+    scaler.step(optimizer)
+    scaler.update()
+    return sum(losses) / len(losses)
+
+
+def clip_before_unscale(ddp_model, optimizer, scaler, micro_batches, loss_fn, grad_clip):
+    optimizer.zero_grad()
+    losses = []
+    for k, (x, y) in enumerate(micro_batches):
+        with contextlib.nullcontext() if k == len(micro_batches) - 1 else ddp_model.no_sync():
+            loss = loss_fn(ddp_model(x), y) / len(micro_batches)
+            scaler.scale(loss).backward()
+        losses.append(loss.item() * len(micro_batches))
+    torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), grad_clip)  # clips the scaled gradient
+    scaler.unscale_(optimizer)
+    scaler.step(optimizer)
+    scaler.update()
+    return sum(losses) / len(losses)
+
+
+def zero_grad_last(ddp_model, optimizer, scaler, micro_batches, loss_fn, grad_clip):
+    loss = train_step(ddp_model, optimizer, scaler, micro_batches, loss_fn, grad_clip)
+    optimizer.zero_grad()
+    return loss
+
+
+def test_train_step_check():
+    assert check_train_step(train_step).passed and check_train_step(zero_grad_last).passed
+    assert check_train_step(load("05_train_step.ipynb", "train_step", solved=False)).message.startswith("not implemented yet")
+    assert check_train_step(backward_only_in_no_sync).message.startswith(
+        "4 all-reduces in one step with grad_accum 4: is the forward inside no_sync")
+    assert check_train_step(not_divided).message.startswith("the update is 4x the big-batch one: divide each micro-batch's loss")
+    assert "unscale (scaler.unscale_(optimizer)) before clipping" in check_train_step(clip_before_unscale).message
+
+
+# --------------------------------------------------------------------------- the ring
+
+ring_all_reduce = load("09_ring_all_reduce.ipynb", "ring_all_reduce")
+
+
+def gather_on_rank_0(tensor):  # the right sum, the wrong traffic
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if rank == 0:
+        for peer in range(1, world):
+            incoming = torch.empty_like(tensor)
+            dist.recv(incoming, src=peer)
+            tensor += incoming
+        for peer in range(1, world):
+            dist.send(tensor, dst=peer)
+    else:
+        dist.send(tensor, dst=0)
+        dist.recv(tensor, src=0)
+
+
+def with_a_collective(tensor):
+    dist.all_reduce(tensor)
+
+
+def raises_on_rank_1(tensor):
+    if dist.get_rank() == 1:
+        raise ValueError("an off-by-one on rank 1")
+    ring_all_reduce(tensor)
+
+
+def hangs_on_rank_1(tensor):
+    if dist.get_rank() == 1:
+        time.sleep(3600)
+    ring_all_reduce(tensor)
+
+
+def test_ring_check():
+    assert check_ring_all_reduce(ring_all_reduce).passed
+    assert check_ring_all_reduce(load("09_ring_all_reduce.ipynb", "ring_all_reduce", solved=False)).message.startswith("not implemented yet")
+    assert "is everything gathered on one rank?" in check_ring_all_reduce(gather_on_rank_0).message
+    assert "it called dist.all_reduce: use only point-to-point" in check_ring_all_reduce(with_a_collective).message
+    assert check_ring_all_reduce(raises_on_rank_1).message.startswith("rank 1 raised ValueError: an off-by-one on rank 1")
+    started = time.monotonic()
+    hung = check_ring_all_reduce(hangs_on_rank_1)
+    assert not hung.passed and "rank 1" in hung.message and "hung" in hung.message, hung.message
+    assert time.monotonic() - started < 60
+
+
+# --------------------------------------------------------------------------- ZeRO-1
+
+ZeroAdamW = load("10_zero1.ipynb", "ZeroAdamW")
+
+
+class NoAllGather(ZeroAdamW):  # each rank updates its shard, and the others never hear of it
+    def step(self):
+        grads = torch.cat([p.grad.reshape(-1) for p in self.params])
+        padded = torch.zeros(self.shard * self.world)
+        padded[:grads.numel()] = grads
+        shard = torch.empty(self.shard)
+        dist.reduce_scatter_tensor(shard, padded)
+        self.master.grad = shard / self.world
+        self.inner.step()
+        with torch.no_grad():
+            flat = torch.cat([p.reshape(-1) for p in self.params])
+            flat[self.lo:self.lo + self.shard] = self.master.detach()[:max(0, min(self.shard, flat.numel() - self.lo))]
+            offset = 0
+            for p in self.params:
+                p.copy_(flat[offset:offset + p.numel()].view_as(p))
+                offset += p.numel()
+
+
+class SumNotMean(ZeroAdamW):
+    def step(self):
+        for p in self.params:
+            p.grad.mul_(self.world)  # as if the reduce-scatter's sum were used without dividing
+        super().step()
+
+
+class WholeState:  # correct parameters, but every rank keeps AdamW's whole state
+    def __init__(self, params, lr, betas, eps, weight_decay):
+        self.params = list(params)
+        self.inner = torch.optim.AdamW(self.params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+
+    def step(self):
+        for p in self.params:
+            dist.all_reduce(p.grad)
+            p.grad /= dist.get_world_size()
+        self.inner.step()
+
+    def zero_grad(self):
+        self.inner.zero_grad()
+
+
+def test_zero1_check():
+    assert check_zero1(ZeroAdamW).passed
+    assert check_zero1(load("10_zero1.ipynb", "ZeroAdamW", solved=False)).message.startswith("not implemented yet")
+    assert "must all-gather the updated shards" in check_zero1(NoAllGather).message
+    assert "differ from DDP + AdamW" in check_zero1(SumNotMean).message
+    assert "1.00x AdamW's state on its fullest rank" in check_zero1(WholeState).message
+
+
+# --------------------------------------------------------------------------- the checkpoint
+
+save_fn, load_fn = load("06_checkpoint.ipynb", "save_fn", "load_fn")
+
+
+def save_in_place(state, root, step):
+    import os
+
+    os.makedirs(root, exist_ok=True)
+    torch.save(state, os.path.join(root, f"step-{step:08d}.pt"))  # straight to the final name
+
+
+def save_without_rng(state, root, step):
+    save_fn({k: v for k, v in state.items() if k != "rng"}, root, step)
+
+
+def test_checkpoint_check():
+    assert check_checkpoint(save_fn, load_fn).passed
+    stub_save, stub_load = load("06_checkpoint.ipynb", "save_fn", "load_fn", solved=False)
+    assert check_checkpoint(stub_save, stub_load).message.startswith("not implemented yet")
+    torn = check_checkpoint(save_in_place, load_fn, kills=20)
+    assert "write to a temporary file, then rename" in torn.message, torn.message
+    assert "without its 'rng' entry intact" in check_checkpoint(save_without_rng, load_fn).message
+
+
+@pytest.mark.parametrize("path", sorted(EXERCISES.glob("*.ipynb")) + sorted((EXERCISES / "solutions").glob("*.ipynb")),
+                         ids=lambda p: f"{p.parent.name}/{p.stem}")
+def test_exercise_notebook_conventions(path):
+    nb = nbformat.read(path, as_version=4)
+    assert all(not c.outputs and c.execution_count is None for c in nb.cells if c.cell_type == "code"), "stored with outputs"
+    assert path.name in nb.cells[0].source and "**The contract.**" in nb.cells[0].source
+    assert sum("### begin" in c.source and "### end" in c.source for c in nb.cells if c.cell_type == "code") == 1
+    assert any("hint(" in c.source for c in nb.cells if c.cell_type == "code")
+    twin = (EXERCISES / path.name) if path.parent.name == "solutions" else (EXERCISES / "solutions" / path.name)
+    assert twin.exists(), f"{path.name} has no {'exercise' if path.parent.name == 'solutions' else 'solution'}"
+
+
+def test_every_exercise_notebook_runs_solutions_pass_and_stubs_say_not_implemented():
+    from ddpkit.exercises.grading import check_notebook
+
+    for solution in sorted((EXERCISES / "solutions").glob("*.ipynb")):
+        lines = check_notebook(solution)
+        assert lines and all(line.startswith("PASSED: ") for line in lines), (solution.name, lines)
+        lines = check_notebook(EXERCISES / solution.name)
+        assert lines and all(line.startswith("NOT YET: not implemented yet: write ") for line in lines), (solution.name, lines)
+
+
+def test_ddpkit_check_prints_one_line_per_exercise_and_fails_unless_all_pass(tmp_path):
+    from tests.conftest import run_cli
+
+    solved, stub = EXERCISES / "solutions" / "09_ring_all_reduce.ipynb", EXERCISES / "09_ring_all_reduce.ipynb"
+    proc = run_cli("check", str(solved), str(stub), str(tmp_path / "missing.ipynb"), timeout=300)
+    lines = proc.stdout.strip().splitlines()
+    assert proc.returncode == 1 and len(lines) == 3, proc.stdout + proc.stderr
+    assert lines[0].startswith(str(solved)) and "PASSED: " in lines[0]
+    assert "NOT YET: not implemented yet: write ring_all_reduce between the markers" in lines[1]
+    assert lines[2].endswith("ERROR: no such notebook")
+    assert run_cli("check", str(solved), timeout=300).returncode == 0
