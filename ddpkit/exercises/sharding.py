@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ddpkit.exercises import Result, Wrong, run_on_ranks
+from ddpkit.exercises import Result, run_on_ranks
 
 STEPS, BATCH, HP = 3, 8, {"lr": 0.01, "betas": (0.9, 0.999), "eps": 0.1, "weight_decay": 0.01}
 
