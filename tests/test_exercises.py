@@ -3,6 +3,7 @@
 named within the check's time limit."""
 
 import contextlib
+import linecache
 import time
 from pathlib import Path
 
@@ -27,7 +28,9 @@ def code_between_markers(path: Path) -> str:
 
 def load(notebook: str, *names: str, solved: bool = True):
     namespace = {"__name__": "__main__"}  # as in a notebook cell: ranks get it by fork
-    exec(compile(code_between_markers(EXERCISES / ("solutions" if solved else "") / notebook), notebook, "exec"), namespace)
+    code, filename = code_between_markers(EXERCISES / ("solutions" if solved else "") / notebook), f"<cell of {notebook}>"
+    linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)  # as IPython keeps cells: for getsource
+    exec(compile(code, filename, "exec"), namespace)
     found = [namespace[n] for n in names]
     return found[0] if len(found) == 1 else found
 
@@ -263,6 +266,108 @@ def test_checkpoint_check():
     torn = check_checkpoint(save_in_place, load_fn, kills=20)
     assert "write to a temporary file, then rename" in torn.message, torn.message
     assert "without its 'rng' entry intact" in check_checkpoint(save_without_rng, load_fn).message
+
+
+# --------------------------------------------------------------------------- the smaller ones
+
+
+def test_config_digest_check():
+    import json
+
+    from ddpkit.exercises.config import check_config_digest
+
+    assert check_config_digest(load("01_config_digest.ipynb", "config_digest")).passed
+
+    def salted(config):
+        return str(hash(json.dumps(config, sort_keys=True)))
+
+    def key_order(config):
+        import hashlib
+        return hashlib.sha256(json.dumps(config).encode()).hexdigest()
+
+    def keys_only(config):
+        import hashlib
+        return hashlib.sha256(",".join(sorted(config)).encode()).hexdigest()
+
+    assert "hash() is salted per process" in check_config_digest(salted).message
+    assert "another key order got another digest" in check_config_digest(key_order).message
+    assert "changing lr from 0.001 to 0.002 did not change the digest" in check_config_digest(keys_only).message
+
+
+def no_broadcast(model):
+    pass
+
+
+def broadcast_from_1(model):
+    for p in model.parameters():
+        dist.broadcast(p.data, src=1)
+
+
+def test_broadcast_parameters_check():
+    from ddpkit.exercises.init import check_broadcast_parameters
+
+    assert check_broadcast_parameters(load("04_broadcast_parameters.ipynb", "broadcast_parameters")).passed
+    assert "rank 1 kept its own parameters, which differ from rank 0's" in check_broadcast_parameters(no_broadcast).message
+    assert "rank 0 ended with rank 1's parameters, not rank 0's" in check_broadcast_parameters(broadcast_from_1).message
+
+
+def mean_of_means(loss_sum, count):
+    mean = torch.tensor([loss_sum / count], dtype=torch.float64)
+    dist.all_reduce(mean)
+    return float(mean) / dist.get_world_size()
+
+
+def local_only(loss_sum, count):
+    return loss_sum / count
+
+
+def test_global_mean_loss_check():
+    from ddpkit.exercises.metrics import check_global_mean_loss
+
+    assert check_global_mean_loss(load("07_global_mean_loss.ipynb", "global_mean_loss")).passed
+    assert "the mean of the ranks' means" in check_global_mean_loss(mean_of_means).message
+    assert "the ranks report different losses" in check_global_mean_loss(local_only).message
+
+
+f_solution, g_solution = load("12_f_and_g.ipynb", "copy_to_parallel", "reduce_from_parallel")
+
+
+def identity(x):
+    return x
+
+
+def test_f_and_g_check():
+    from ddpkit.exercises.tensor import check_f_and_g
+
+    assert check_f_and_g(f_solution, g_solution).passed
+    assert "copy_to_parallel (f) must all-reduce the gradient in backward" in check_f_and_g(identity, g_solution).message
+    assert "reduce_from_parallel (g) must all-reduce in forward" in check_f_and_g(f_solution, identity).message
+
+
+def test_one_f_one_b_check():
+    from ddpkit.exercises.pipeline import check_one_f_one_b
+
+    assert check_one_f_one_b(load("13_one_f_one_b.ipynb", "one_f_one_b")).passed
+
+    def gpipe(p, m):
+        return [[("F", i) for i in range(m)] + [("B", i) for i in range(m)] for _ in range(p)]
+
+    def backward_first(p, m):
+        return [[("B", i) for i in range(m)] + [("F", i) for i in range(m)] for _ in range(p)]
+
+    assert "holds at most p - s" in check_one_f_one_b(gpipe).message
+    assert "deadlocks" in check_one_f_one_b(backward_first).message
+
+
+def decides_alone(noticed):
+    return noticed
+
+
+def test_should_stop_check():
+    from ddpkit.exercises.agreement import check_should_stop
+
+    assert check_should_stop(load("14_should_stop.ipynb", "should_stop")).passed
+    assert "decided to stop and the others did not: all-reduce the flag (MAX)" in check_should_stop(decides_alone).message
 
 
 @pytest.mark.parametrize("path", sorted(EXERCISES.glob("*.ipynb")) + sorted((EXERCISES / "solutions").glob("*.ipynb")),

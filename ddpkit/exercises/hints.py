@@ -26,4 +26,34 @@ HINTS = {
         'dist.reduce_scatter_tensor(shard, padded_grads) then divide by the world size.',
         'After the inner AdamW step, dist.all_gather_into_tensor and copy back into every parameter.',
     ],
+    'config_digest': [
+        'Serialise the config to text first, the same way every time.',
+        'json.dumps(config, sort_keys=True) makes the key order irrelevant.',
+        'hashlib.sha256(text.encode()).hexdigest() is stable across processes; hash() is not.',
+    ],
+    'broadcast_parameters': [
+        'dist.broadcast(tensor, src=0) overwrites tensor on every rank but rank 0.',
+        'Loop over model.parameters() on every rank, in the same order.',
+        'Use p.data (or torch.no_grad()) so that autograd does not record the copy.',
+    ],
+    'global_mean_loss': [
+        'You need two global numbers: the total loss and the total count.',
+        'Put both in one tensor and all-reduce it once.',
+        'Divide after the all-reduce, not before.',
+    ],
+    'f_and_g': [
+        'Write each as a torch.autograd.Function with a forward and a backward staticmethod.',
+        'f: forward returns x unchanged; backward all-reduces the gradient.',
+        'g: forward all-reduces a clone of x; backward returns the gradient unchanged.',
+    ],
+    'one_f_one_b': [
+        'Stage s starts with p - s - 1 forwards (a warm-up).',
+        'Then alternate: the next forward, then the oldest backward still to do.',
+        'End with the backwards left over.',
+    ],
+    'should_stop': [
+        "Every rank must reach the same answer without knowing the others' flags: that needs a collective.",
+        'Put the flag in a tensor.',
+        'dist.all_reduce(flag, op=dist.ReduceOp.MAX).',
+    ],
 }

@@ -1,0 +1,58 @@
+"""Check for notebook 01's exercise: a config digest that identifies a run.
+
+The contract: ``config_digest(config: dict) -> str``. Two processes must compute the same digest for the
+same config (a resume is checked against it); the order of the keys must not matter; changing any value
+must change it. Python's ``hash()`` fails the first rule: it is salted per process. The check computes
+the digest here and in a fresh Python process with another ``PYTHONHASHSEED`` (the function's source,
+with ``hashlib`` and ``json`` imported, runs there).
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+from ddpkit.exercises import Result, not_implemented
+
+CONFIG = {"model": "gpt", "lr": 0.001, "micro_batch_size": 8, "grad_accum": 2, "seed": 17, "layers": [2, 4]}
+
+
+def _in_fresh_process(fn, config: dict) -> str:
+    source = textwrap.dedent(inspect.getsource(fn))
+    program = (f"import hashlib, json\n{source}\nprint({fn.__name__}(json.loads({json.dumps(json.dumps(config))})))")
+    env = {**os.environ, "PYTHONHASHSEED": "12345"}
+    proc = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=60, env=env)
+    if proc.returncode:
+        raise RuntimeError((proc.stderr.strip().splitlines() or ["failed"])[-1])
+    return proc.stdout.strip().splitlines()[-1]
+
+
+def check_config_digest(fn) -> Result:
+    try:
+        here = fn(dict(CONFIG))
+    except NotImplementedError:
+        return not_implemented(getattr(fn, "__name__", "config_digest"))
+    except Exception as exc:  # noqa: BLE001
+        return Result(False, f"config_digest raised {type(exc).__name__}: {exc}")
+    if not isinstance(here, str) or not here:
+        return Result(False, f"config_digest returned {here!r}: return a string (a hex digest)")
+    reordered = dict(reversed(list(CONFIG.items())))
+    if fn(reordered) != here:
+        return Result(False, "the same items in another key order got another digest: serialise with sorted keys "
+                             "(json.dumps(config, sort_keys=True))")
+    for key, value in (("lr", 0.002), ("seed", 18), ("layers", [2, 5])):
+        if fn({**CONFIG, key: value}) == here:
+            return Result(False, f"changing {key} from {CONFIG[key]!r} to {value!r} did not change the digest: hash every value")
+    try:
+        there = _in_fresh_process(fn, CONFIG)
+    except Exception as exc:  # noqa: BLE001
+        return Result(False, f"config_digest could not run in a fresh process ({exc}): keep it self-contained "
+                             f"(hashlib and json are imported there)")
+    if there != here:
+        return Result(False, f"another process computed {there[:16]}... for the same config, this one {here[:16]}...: "
+                             f"hash() is salted per process (PYTHONHASHSEED); use hashlib.sha256 over a canonical serialisation")
+    return Result(True, "the same digest in two processes, insensitive to key order, and different for any changed value")

@@ -1,0 +1,49 @@
+"""Check for notebook 13's exercise: a 1F1B schedule generator.
+
+The contract: ``one_f_one_b(p, m)`` returns, for each of ``p`` stages, its actions in order: tuples
+``("F", micro)`` or ``("B", micro)`` for ``m`` micro-batches. The check runs each schedule on the clock of
+``ddpkit.parallel.pipeline.simulate`` (a forward needs the previous stage's forward of that micro-batch, a
+backward the next stage's backward and its own forward; it raises on a deadlock), and requires: every
+micro-batch forward and backward exactly once per stage, no deadlock, the bubble (p-1)/(m+p-1), and at
+most p - s micro-batches' activations held on stage s (what makes 1F1B better than GPipe).
+"""
+
+from __future__ import annotations
+
+from ddpkit.exercises import Result, not_implemented
+from ddpkit.parallel import pipeline
+
+CASES = ((2, 2), (2, 5), (3, 3), (4, 8), (4, 3), (5, 12))
+
+
+def check_one_f_one_b(fn) -> Result:
+    for p, m in CASES:
+        try:
+            orders = fn(p, m)
+        except NotImplementedError:
+            return not_implemented(getattr(fn, "__name__", "one_f_one_b"))
+        except Exception as exc:  # noqa: BLE001
+            return Result(False, f"one_f_one_b({p}, {m}) raised {type(exc).__name__}: {exc}")
+        if len(orders) != p:
+            return Result(False, f"one_f_one_b({p}, {m}) gave {len(orders)} stages, not {p}")
+        for s, order in enumerate(orders):
+            wanted = sorted([("F", i) for i in range(m)] + [("B", i) for i in range(m)])
+            if sorted((kind, int(micro)) for kind, micro in order) != wanted:
+                return Result(False, f"with p={p}, m={m}, stage {s} does not run each micro-batch's forward and backward "
+                                     f"exactly once")
+        actions = [[pipeline.Action(kind, s, int(micro)) for kind, micro in order] for s, order in enumerate(orders)]
+        try:
+            timeline = pipeline.simulate(actions)
+        except ValueError as exc:
+            return Result(False, f"with p={p}, m={m}: {exc}: a stage waits for work that comes after its own next action")
+        bubble, predicted = pipeline.bubble(timeline), pipeline.predicted_bubble(p, m)
+        if abs(bubble - predicted) > 1e-9:
+            return Result(False, f"with p={p}, m={m} the bubble is {bubble:.3f}, not (p-1)/(m+p-1) = {predicted:.3f}: "
+                                 f"a stage idles between its actions")
+        for s in range(p):
+            held = pipeline.in_flight(timeline, s)
+            if held > p - s:
+                return Result(False, f"with p={p}, m={m}, stage {s} holds {held} micro-batches' activations at once; 1F1B "
+                                     f"holds at most p - s = {p - s}: after {p - s - 1} warm-up forwards, alternate one "
+                                     f"forward and one backward")
+    return Result(True, f"dependencies respected, bubble (p-1)/(m+p-1) and at most p - s activations held, for {len(CASES)} (p, m)")
