@@ -95,7 +95,7 @@ def run_command(argv: list[str], *, env: dict | None = None, timeout: float = 18
 
     stdout and stderr share one pipe (so their lines interleave exactly as written) and Python children
     are unbuffered. ``show(line)`` picks which lines to print; all of them are returned (as ``stdout``).
-    After ``heartbeat_s`` seconds without a line, a short "still running" line says the cell is alive.
+    After ``heartbeat_s`` seconds without a shown line, a short "still running" line says the cell is alive.
     Raises ``subprocess.TimeoutExpired`` after killing the command if it runs past ``timeout`` seconds.
     """
     env = {**(os.environ if env is None else env), "PYTHONUNBUFFERED": "1"}
@@ -110,14 +110,16 @@ def run_command(argv: list[str], *, env: dict | None = None, timeout: float = 18
         lines.put(None)
 
     threading.Thread(target=pump, daemon=True).start()
-    deadline, seen = started + timeout, []
+    deadline, seen, last_shown = started + timeout, [], started
     while True:
-        left = deadline - time.monotonic()
+        now = time.monotonic()
+        if now - last_shown >= heartbeat_s:  # nothing shown for a while (lines may arrive, filtered out)
+            print(f"... still running ({now - started:.0f} s)", flush=True)
+            last_shown = now
         try:
-            line = lines.get(timeout=max(0.0, min(left, heartbeat_s)))
+            line = lines.get(timeout=max(0.0, min(deadline - now, heartbeat_s - (now - last_shown))))
         except queue.Empty:
             if time.monotonic() < deadline:
-                print(f"... still running ({time.monotonic() - started:.0f} s)", flush=True)
                 continue
             proc.kill()
             proc.wait()
@@ -127,6 +129,7 @@ def run_command(argv: list[str], *, env: dict | None = None, timeout: float = 18
         seen.append(line)
         if show(line):
             print(line, end="", flush=True)
+            last_shown = time.monotonic()
     proc.wait()
     return subprocess.CompletedProcess(argv, proc.returncode, "".join(seen), "")
 

@@ -79,7 +79,6 @@ def measure_recovery(workdir: str, launcher: str = "ddpkit", world_size: int = 2
                      fail_at_step: int = 12, timeout_s: float = 300) -> dict[str, float]:
     """Run ``ddpkit train`` (or the same under ``torchrun``) with one rank SIGKILLed after ``fail_at_step``
     steps and one restart allowed; return :func:`recovery_times` of that run."""
-    import subprocess
     import sys
 
     if launcher not in ("ddpkit", "torchrun"):
@@ -93,10 +92,14 @@ def measure_recovery(workdir: str, launcher: str = "ddpkit", world_size: int = 2
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world_size),
                "--max-restarts", "1", "-m", "ddpkit", *train]
+    from ddpkit.notebook import run_command
+
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env={**env, "OMP_NUM_THREADS": "1"})
+    # streamed: the restart and the end are shown as they happen, and a quiet stretch prints "still running"
+    proc = run_command(cmd, env={**env, "OMP_NUM_THREADS": "1"}, timeout=timeout_s,
+                       show=lambda line: "restarting" in line or "done: step" in line)
     if proc.returncode != 0:
-        raise RuntimeError(f"the {launcher} run did not recover: {proc.stderr.strip().splitlines()[-1:]}")
+        raise RuntimeError(f"the {launcher} run did not recover: {proc.stdout.strip().splitlines()[-1:]}")
     return recovery_times(metrics_dir)
 
 

@@ -44,3 +44,10 @@ def test_run_command_says_it_is_alive_when_the_command_is_quiet(capsys):
     proc = run_command([sys.executable, "-c", "import time; time.sleep(1.2); print('done')"], heartbeat_s=0.5)
     out = capsys.readouterr().out.splitlines()
     assert proc.stdout == "done\n" and out[-1] == "done" and any(line.startswith("... still running") for line in out[:-1])
+
+
+def test_run_command_says_it_is_alive_while_every_line_is_filtered_out(capsys):
+    code = "import time\nfor i in range(25):\n    print('hidden', i, flush=True)\n    time.sleep(0.1)"
+    proc = run_command([sys.executable, "-c", code], show=lambda line: False, heartbeat_s=1.0)
+    out = capsys.readouterr().out
+    assert proc.returncode == 0 and "hidden" not in out and out.count("still running") >= 1, out
