@@ -22,8 +22,8 @@ EXERCISES = Path(__file__).resolve().parents[1] / "exercises"
 
 
 def code_between_markers(path: Path) -> str:
-    nb = nbformat.read(path, as_version=4)
-    return next(c.source for c in nb.cells if c.cell_type == "code" and "### begin" in c.source)
+    nb = nbformat.read(path, as_version=4)  # every cell the learner writes, in order (00 has eight)
+    return "\n\n".join(c.source for c in nb.cells if c.cell_type == "code" and "### begin" in c.source)
 
 
 def load(notebook: str, *names: str, solved: bool = True):
@@ -370,13 +370,85 @@ def test_should_stop_check():
     assert "decided to stop and the others did not: all-reduce the flag (MAX)" in check_should_stop(decides_alone).message
 
 
+# --------------------------------------------------------------------------- build it live
+
+(BuildConfig, build_model_and_optimizer, broadcast_solution, run_solution) = load(
+    "00_build_it_live.ipynb", "TrainConfig", "build_model_and_optimizer", "broadcast_parameters", "run")
+
+
+def run_without_the_schedule(ctx, cfg):  # a constant learning rate: everything else as the solution
+    import ddpkit.step
+
+    real = ddpkit.step.lr_at
+    run_solution.__globals__["lr_at"] = lambda cfg, step: cfg.lr
+    try:
+        return run_solution(ctx, cfg)
+    finally:
+        run_solution.__globals__["lr_at"] = real
+
+
+def run_without_ddp(ctx, cfg):  # each rank trains alone on its share
+    from torch.nn.parallel import DistributedDataParallel
+
+    class Alone(DistributedDataParallel):
+        def __init__(self, module):
+            torch.nn.Module.__init__(self)
+            self.module = module
+
+        def forward(self, *args):
+            return self.module(*args)
+
+        def no_sync(self):
+            return contextlib.nullcontext()
+
+    run_solution.__globals__["DDP"] = Alone
+    try:
+        return run_solution(ctx, cfg)
+    finally:
+        run_solution.__globals__["DDP"] = DistributedDataParallel
+
+
+def test_build_it_live_checks():
+    from dataclasses import dataclass
+
+    from ddpkit.exercises.trainer import check_config_class, check_model_and_optimizer, check_trainer
+
+    assert check_config_class(BuildConfig).passed and check_model_and_optimizer(build_model_and_optimizer).passed
+    assert check_trainer(run_solution, steps=6).passed
+
+    class NotADataclass:
+        pass
+
+    @dataclass
+    class Sum:
+        micro_batch_size: int = 8
+        grad_accum_steps: int = 2
+        world_size: int = 2
+
+        @property
+        def global_batch_size(self):
+            return self.micro_batch_size * self.grad_accum_steps  # forgets the ranks
+
+    assert "is not a dataclass" in check_config_class(NotADataclass).message
+    assert "gave global_batch_size 16, not 32: it is the product of the three" in check_config_class(Sum).message
+
+    def sgd(cfg):
+        model, _ = build_model_and_optimizer(cfg)
+        return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+    assert "the optimizer is SGD, not torch.optim.AdamW" in check_model_and_optimizer(sgd).message
+    assert "differ from ddpkit train's" in check_trainer(run_without_the_schedule, steps=6).message
+    assert "the two ranks end with different parameters" in check_trainer(run_without_ddp, steps=6).message
+
+
 @pytest.mark.parametrize("path", sorted(EXERCISES.glob("*.ipynb")) + sorted((EXERCISES / "solutions").glob("*.ipynb")),
                          ids=lambda p: f"{p.parent.name}/{p.stem}")
 def test_exercise_notebook_conventions(path):
     nb = nbformat.read(path, as_version=4)
     assert all(not c.outputs and c.execution_count is None for c in nb.cells if c.cell_type == "code"), "stored with outputs"
     assert path.name in nb.cells[0].source and "**The contract.**" in nb.cells[0].source
-    assert sum("### begin" in c.source and "### end" in c.source for c in nb.cells if c.cell_type == "code") == 1
+    written = [c for c in nb.cells if c.cell_type == "code" and "### begin" in c.source]
+    assert written and all(c.source.rstrip().endswith("### end") for c in written)
     assert any("hint(" in c.source for c in nb.cells if c.cell_type == "code")
     twin = (EXERCISES / path.name) if path.parent.name == "solutions" else (EXERCISES / "solutions" / path.name)
     assert twin.exists(), f"{path.name} has no {'exercise' if path.parent.name == 'solutions' else 'solution'}"
