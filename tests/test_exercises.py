@@ -411,7 +411,11 @@ def run_without_ddp(ctx, cfg):  # each rank trains alone on its share
 def test_build_it_live_checks():
     from dataclasses import dataclass
 
-    from ddpkit.exercises.trainer import check_config_class, check_model_and_optimizer, check_trainer
+    from ddpkit.exercises.trainer import (
+        check_config_class,
+        check_model_and_optimizer,
+        check_trainer,
+    )
 
     assert check_config_class(BuildConfig).passed and check_model_and_optimizer(build_model_and_optimizer).passed
     assert check_trainer(run_solution, steps=6).passed
