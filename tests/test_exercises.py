@@ -370,6 +370,59 @@ def test_should_stop_check():
     assert "decided to stop and the others did not: all-reduce the flag (MAX)" in check_should_stop(decides_alone).message
 
 
+def test_state_bytes_check():
+    import math
+
+    from ddpkit.exercises.memory import check_state_bytes
+
+    state_bytes = load("03_state_bytes.ipynb", "state_bytes")
+    assert check_state_bytes(state_bytes).passed
+
+    def floor_shards(params, strategy, world):
+        return {k: v if v == state_bytes(params, "ddp", world)[k] else v // math.ceil(params / world) * (params // world)
+                for k, v in state_bytes(params, strategy, world).items()}
+
+    def stage1_shards_gradients(params, strategy, world):
+        out = state_bytes(params, strategy, world)
+        return {**out, "grads": state_bytes(params, "zero2", world)["grads"]} if strategy == "zero1" else out
+
+    assert "zero1 with 1,000 parameters on 4 ranks: gradients 1000 bytes per rank, expected 4,000" in \
+        check_state_bytes(stage1_shards_gradients).message
+    assert "1,001 parameters on 4 ranks" in check_state_bytes(floor_shards).message
+
+
+def unpadded_split(files, rank, world, numel):
+    whole = torch.cat([torch.load(f, weights_only=True) for f in files])[:numel]
+    return torch.tensor_split(whole, world)[rank]  # shards of unequal length, the last one unpadded
+
+
+def old_shard_per_rank(files, rank, world, numel):
+    return torch.load(files[rank], weights_only=True)
+
+
+def test_load_shard_check():
+    from ddpkit.exercises.resharding import check_load_shard
+
+    assert check_load_shard(load("11_load_shard.ipynb", "load_shard")).passed
+    assert "rank 1's shard has 500 elements, not ceil(1001/2) = 501: pad the last shard" in check_load_shard(unpadded_split).message
+    assert "rank 0's shard has 251 elements, not ceil(1001/2) = 501" in check_load_shard(old_shard_per_rank).message
+
+
+def norms_agree(model):
+    norm = torch.sqrt(sum(p.detach().pow(2).sum() for p in model.parameters())).reshape(1)
+    low, high = norm.clone(), norm.clone()
+    dist.all_reduce(low, op=dist.ReduceOp.MIN)
+    dist.all_reduce(high, op=dist.ReduceOp.MAX)
+    return bool(low == high)
+
+
+def test_same_everywhere_check():
+    from ddpkit.exercises.invariants import check_same_everywhere
+
+    assert check_same_everywhere(load("15_same_everywhere.ipynb", "same_everywhere")).passed
+    assert "a norm or a sum cannot see it" in check_same_everywhere(norms_agree).message
+
+
 # --------------------------------------------------------------------------- build it live
 
 (BuildConfig, build_model_and_optimizer, broadcast_solution, run_solution) = load(

@@ -56,4 +56,19 @@ HINTS = {
         'Put the flag in a tensor.',
         'dist.all_reduce(flag, op=dist.ReduceOp.MAX).',
     ],
+    'state_bytes': [
+        'Write down, per kind of state, whether each stage shards it.',
+        "fp32: 4 bytes per weight, 4 per gradient, 8 per parameter for Adam's two moments.",
+        'A shard has math.ceil(params / world) elements.',
+    ],
+    'load_shard': [
+        'The old shards, concatenated in rank order, are the vector plus some zeros at the end.',
+        'Cut at numel before anything else.',
+        "Pad to ceil(numel / world) x world and take this rank's slice.",
+    ],
+    'same_everywhere': [
+        'Summaries (norm, sum) can be equal for different tensors: use the bytes.',
+        'hashlib.sha256 over p.detach().cpu().numpy().tobytes() for every parameter.',
+        'dist.all_gather_object gives every rank every hash.',
+    ],
 }

@@ -1,0 +1,65 @@
+"""Check for notebook 03's exercise: how many bytes each rank holds, by ZeRO stage.
+
+The contract: ``state_bytes(params, strategy, world) -> {"params": ..., "grads": ..., "optimizer": ...}``,
+bytes per rank for fp32 training with AdamW (4 bytes per weight, 4 per gradient, 8 for the two moments,
+no separate master copy), for ``ddp`` (everything whole), ``zero1`` (the optimizer state sharded),
+``zero2`` (and the gradients), ``zero3`` (and the parameters); a shard is ceil(params / world) elements.
+The ``ddp`` answer is also checked against bytes measured on 2 real ranks after a DDP + AdamW step.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+
+from ddpkit.exercises import Result, not_implemented, run_on_ranks
+
+STAGES = {"ddp": (False, False, False), "zero1": (False, False, True), "zero2": (False, True, True), "zero3": (True, True, True)}
+WHAT = {0: "parameters", 1: "gradients", 2: "optimizer state"}
+
+
+def expected(params: int, strategy: str, world: int) -> dict:
+    shard = math.ceil(params / world)
+    w, g, o = STAGES[strategy]
+    return {"params": 4 * (shard if w else params), "grads": 4 * (shard if g else params), "optimizer": 8 * (shard if o else params)}
+
+
+def _measured(ctx) -> dict:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))
+    ddp = DDP(model)
+    optimizer = torch.optim.AdamW(model.parameters())
+    ddp(torch.randn(4, 32)).sum().backward()
+    optimizer.step()
+    size = lambda t: t.numel() * t.element_size()  # noqa: E731
+    return {"numel": sum(p.numel() for p in model.parameters()), "params": sum(size(p) for p in model.parameters()),
+            "grads": sum(size(p.grad) for p in model.parameters()),
+            "optimizer": sum(size(v) for s in optimizer.state.values() for k, v in s.items() if k != "step")}
+
+
+def check_state_bytes(fn) -> Result:
+    try:
+        for params, world in ((1_000, 4), (1_001, 4), (7_000_000_000, 8), (10, 3)):
+            for strategy in STAGES:
+                got, want = fn(params, strategy, world), expected(params, strategy, world)
+                for k, key in enumerate(("params", "grads", "optimizer")):
+                    if got.get(key) != want[key]:
+                        return Result(False, f"{strategy} with {params:,} parameters on {world} ranks: {WHAT[k]} "
+                                             f"{got.get(key)!r} bytes per rank, expected {want[key]:,} "
+                                             f"({'sharded: ceil(P/N)' if STAGES[strategy][k] else 'whole'} x "
+                                             f"{4 if k < 2 else 8} bytes)")
+    except NotImplementedError:
+        return not_implemented(getattr(fn, "__name__", "state_bytes"))
+    runs = run_on_ranks(getattr(fn, "__name__", "state_bytes"), _measured, world_size=2)
+    if isinstance(runs, Result):
+        return runs
+    measured = runs[0]
+    predicted = fn(measured["numel"], "ddp", 2)
+    if any(predicted[k] != measured[k] for k in ("params", "grads", "optimizer")):
+        return Result(False, f"measured on 2 DDP ranks: {measured}; predicted {predicted}")
+    return Result(True, f"every stage on 1,000 to 7 billion parameters, and DDP's bytes measured on 2 ranks "
+                        f"({measured['optimizer']:,} bytes of Adam moments)")
