@@ -423,6 +423,49 @@ def test_same_everywhere_check():
     assert "a norm or a sum cannot see it" in check_same_everywhere(norms_agree).message
 
 
+MyDDP = load("05_ddp_from_scratch.ipynb", "MyDDP")
+
+
+class AllReduceAtTheEnd(MyDDP):  # correct gradients, no overlap
+    def _gradient_ready(self, p):
+        pass
+
+    def finish(self):
+        for i, bucket in enumerate(self.buckets):
+            flat = torch.cat([q.grad.reshape(-1) for q in bucket]).div_(self.world)
+            self.pending.append((i, flat, dist.all_reduce(flat, async_op=True)))
+        super().finish()
+
+
+class NoBroadcast(MyDDP):
+    def __init__(self, module, bucket_bytes):
+        real = dist.broadcast
+        dist.broadcast = lambda *args, **kwargs: None
+        try:
+            super().__init__(module, bucket_bytes)
+        finally:
+            dist.broadcast = real
+
+
+class BlockingBuckets(MyDDP):
+    def _gradient_ready(self, p):
+        i = self.bucket_of[id(p)]
+        self.ready[i] += 1
+        if self.ready[i] == len(self.buckets[i]):
+            flat = torch.cat([q.grad.reshape(-1) for q in self.buckets[i]]).div_(self.world)
+            dist.all_reduce(flat)  # blocks backward until it is done
+            self.pending.append((i, flat, type("Done", (), {"wait": lambda self: None})()))
+
+
+def test_ddp_from_scratch_check():
+    from ddpkit.exercises.ddp import check_ddp
+
+    assert check_ddp(MyDDP).passed
+    assert "were launched after backward finished" in check_ddp(AllReduceAtTheEnd).message
+    assert "broadcast rank 0's parameters at construction" in check_ddp(NoBroadcast).message
+    assert "without async_op=True" in check_ddp(BlockingBuckets).message
+
+
 # --------------------------------------------------------------------------- build it live
 
 (BuildConfig, build_model_and_optimizer, broadcast_solution, run_solution) = load(

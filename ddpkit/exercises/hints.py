@@ -71,4 +71,9 @@ HINTS = {
         'hashlib.sha256 over p.detach().cpu().numpy().tobytes() for every parameter.',
         'dist.all_gather_object gives every rank every hash.',
     ],
+    'ddp_from_scratch': [
+        'At construction: dist.broadcast every parameter from rank 0.',
+        'Group parameters in reverse order into buckets; p.register_post_accumulate_grad_hook(fn) tells you when p.grad is final.',
+        "When a bucket's last gradient arrives: flatten, divide by the world size, dist.all_reduce(flat, async_op=True); finish() waits and copies back.",
+    ],
 }
