@@ -466,6 +466,61 @@ def test_ddp_from_scratch_check():
     assert "without async_op=True" in check_ddp(BlockingBuckets).message
 
 
+MyFSDP = load("10_fsdp_from_scratch.ipynb", "MyFSDP")
+
+
+class AllReduceGradients(MyFSDP):  # the right update, the wrong collective
+    def finish(self):
+        grads = torch.cat([p.grad.reshape(-1) for p in self.params])
+        padded = torch.zeros(self.length * self.world)
+        padded[:self.numel] = grads
+        dist.all_reduce(padded)
+        self.shard.grad = padded[self.rank * self.length:(self.rank + 1) * self.length] / self.world
+        self._free()
+
+
+class NeverFrees(MyFSDP):
+    def finish(self):
+        kept = [p.data for p in self.params]
+        super().finish()
+        for p, data in zip(self.params, kept):
+            p.data = data
+
+
+class SumsGradients(MyFSDP):
+    def finish(self):
+        super().finish()
+        self.shard.grad *= self.world
+
+
+def test_fsdp_from_scratch_check():
+    from ddpkit.exercises.fsdp import check_fsdp
+
+    assert check_fsdp(MyFSDP).passed
+    assert "an all-reduce gives every rank the whole gradient" in check_fsdp(AllReduceGradients).message
+    assert "between steps the module still holds" in check_fsdp(NeverFrees).message
+    assert "the parameters differ from DDP's" in check_fsdp(SumsGradients).message
+
+
+rank_wiring = load("08_rank_wiring.ipynb", "rank_wiring")
+
+
+def gpu_by_global_rank(env, gpus_on_node):
+    return {**rank_wiring(env, gpus_on_node), "device": f"cuda:{env['RANK']}" if gpus_on_node else "cpu"}
+
+
+def gpu_whenever_there_is_one(env, gpus_on_node):
+    return {**rank_wiring(env, gpus_on_node), "device": f"cuda:{env['LOCAL_RANK']}" if gpus_on_node else "cpu"}
+
+
+def test_rank_wiring_check():
+    from ddpkit.exercises.wiring import check_rank_wiring
+
+    assert check_rank_wiring(rank_wiring).passed
+    assert "index them by LOCAL_RANK, not RANK" in check_rank_wiring(gpu_by_global_rank).message
+    assert "with fewer GPUs than ranks on the node" in check_rank_wiring(gpu_whenever_there_is_one).message
+
+
 # --------------------------------------------------------------------------- build it live
 
 (BuildConfig, build_model_and_optimizer, broadcast_solution, run_solution) = load(

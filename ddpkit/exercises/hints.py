@@ -76,4 +76,14 @@ HINTS = {
         'Group parameters in reverse order into buckets; p.register_post_accumulate_grad_hook(fn) tells you when p.grad is final.',
         "When a bucket's last gradient arrives: flatten, divide by the world size, dist.all_reduce(flat, async_op=True); finish() waits and copies back.",
     ],
+    'fsdp_from_scratch': [
+        'Flatten, pad to a multiple of the world size, keep your slice as an nn.Parameter.',
+        "In forward: dist.all_gather_into_tensor, then point each parameter's .data at its slice (remember the shapes first).",
+        'In finish: flatten the gradients, dist.reduce_scatter_tensor, divide by the world size, then free (p.data = torch.empty(0)).',
+    ],
+    'rank_wiring': [
+        'Every value in env is a string: convert with int().',
+        'The GPU index is the local rank, not the global rank.',
+        'Use a GPU only if gpus_on_node >= LOCAL_WORLD_SIZE.',
+    ],
 }

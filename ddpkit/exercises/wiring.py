@@ -1,0 +1,52 @@
+"""Check for notebook 08's exercise: wire a process to its rank and device from the launcher's environment.
+
+The contract: ``rank_wiring(env: dict, gpus_on_node: int) -> dict`` with ``rank``, ``local_rank``,
+``world_size`` (ints) and ``device`` (a string): read from the variables torchrun and the ddpkit launcher
+set (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``); the device is ``cuda:<local rank>``
+when the node has a GPU for each of its ranks, else ``cpu``. The check calls it in every rank of a real
+job with that rank's own environment, then with the environments of a 2-node job.
+"""
+
+from __future__ import annotations
+
+import os
+
+from ddpkit.exercises import Result, run_on_ranks
+
+TWO_NODES = [({"RANK": str(r), "LOCAL_RANK": str(r % 2), "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}, 2) for r in range(4)]
+
+
+def _on_rank(ctx, fn) -> dict:
+    env = {k: os.environ[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")}
+    return {"ctx": (ctx.rank, ctx.local_rank, ctx.world_size), "got": fn(dict(env), 0)}
+
+
+def _expected(env: dict, gpus: int) -> dict:
+    local = int(env["LOCAL_RANK"])
+    return {"rank": int(env["RANK"]), "local_rank": local, "world_size": int(env["WORLD_SIZE"]),
+            "device": f"cuda:{local}" if gpus >= int(env["LOCAL_WORLD_SIZE"]) else "cpu"}
+
+
+def check_rank_wiring(fn) -> Result:
+    runs = run_on_ranks(getattr(fn, "__name__", "rank_wiring"), _on_rank, fn, world_size=2)
+    if isinstance(runs, Result):
+        return runs
+    for run in runs:
+        got, (rank, local, world) = run["got"], run["ctx"]
+        if (got.get("rank"), got.get("local_rank"), got.get("world_size")) != (rank, local, world):
+            return Result(False, f"rank {rank} of {world} read rank {got.get('rank')!r}, local rank {got.get('local_rank')!r}, "
+                                 f"world {got.get('world_size')!r}: read RANK, LOCAL_RANK and WORLD_SIZE (as ints)")
+        if got.get("device") != "cpu":
+            return Result(False, f"with no GPU, rank {rank} chose {got.get('device')!r}: use the CPU (and gloo)")
+    for env, gpus in [*TWO_NODES, ({"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}, 1)]:
+        got, want = fn(dict(env), gpus), _expected(env, gpus)
+        if got.get("device") != want["device"]:
+            where = f"global rank {env['RANK']} (local rank {env['LOCAL_RANK']} of {env['LOCAL_WORLD_SIZE']} on its node, {gpus} GPU(s))"
+            if want["device"] == "cpu":
+                return Result(False, f"{where} chose {got.get('device')!r}: with fewer GPUs than ranks on the node, NCCL "
+                                     f"cannot give each rank its own GPU: use the CPU")
+            return Result(False, f"{where} chose {got.get('device')!r}, not {want['device']!r}: a node numbers its GPUs "
+                                 f"from 0, so index them by LOCAL_RANK, not RANK")
+        if got != want:
+            return Result(False, f"for {env} it returned {got}, expected {want}")
+    return Result(True, "the right rank, world and device on 2 real ranks and on every rank of a simulated 2-node job")
