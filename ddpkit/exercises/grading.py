@@ -9,6 +9,7 @@ line instead. The exit code is 0 when every check passed.
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 RESULT_PREFIXES = ("PASSED: ", "NOT YET: ")
@@ -40,7 +41,14 @@ def check_notebook(path: str | os.PathLike, timeout: float = 300.0) -> list[str]
 
 
 def main(paths: list[str], timeout: float = 300.0) -> int:
-    """Print ``PATH  RESULT`` for every check of every notebook; 0 when all passed."""
+    """Print ``PATH  RESULT`` for every check of every notebook; 0 when all passed (2: cannot run notebooks here)."""
+    try:
+        import nbclient  # noqa: F401
+        import nbformat  # noqa: F401
+    except ImportError:
+        print("ddpkit: error: ddpkit check executes notebooks and needs nbclient and nbformat: "
+              "pip install 'ddpkit[notebook]'", file=sys.stderr)
+        return 2
     all_passed = True
     width = max((len(p) for p in paths), default=0)
     for path in paths:
