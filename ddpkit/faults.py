@@ -39,6 +39,7 @@ class FaultInjection(Hook):
 
     def __init__(self, cfg: TrainConfig, attempt: int) -> None:
         self.cfg, self.attempt = cfg, attempt
+        self._hook = None  # the forward hook of --fail-mode nan, for one step
 
     def before_step(self, trainer) -> None:
         cfg, step, rank = self.cfg, trainer.step, trainer.ctx.rank
@@ -71,9 +72,6 @@ class FaultInjection(Hook):
             os.kill(os.getpid(), signal.SIGKILL)
         while True:  # hang: the other ranks block in the next collective until it times out
             time.sleep(1)
-
-
-    _hook = None
 
     def after_step(self, trainer, result) -> None:
         if self._hook is not None:  # one bad step only

@@ -77,4 +77,4 @@ class LossGuard:
         self.events.append({"step": step, "reason": "rolled back", "action": f"to step {to_step}"})
 
 
-VERDICTS = ("ok", "nonfinite", "spike")  # index = the code max-reduced over the ranks: the worst wins
+VERDICTS = ("ok", "spike", "nonfinite")  # index = the code max-reduced over the ranks: the worst wins

@@ -88,9 +88,6 @@ class Preemption(Hook):
         self.saved_step = result.step
         trainer.stop_requested = True
 
-    def on_end(self, trainer) -> None:
-        self.uninstall()
-
 
 @contextlib.contextmanager
 def passed_on_to_ranks():

@@ -99,18 +99,14 @@ class RankContext:
     @property
     def dp_group(self):
         """The process group of this rank's data-parallel peers (the world when dp = world)."""
-        if self.mesh is not None:
-            return self.mesh.get_group("dp")
-        if self.dims.dp == self.world_size:
+        if self.mesh is None and self.dims.dp == self.world_size:
             return dist.group.WORLD
-        raise RuntimeError(f"layout {self.dims.describe()} needs its device mesh: ctx = ctx.with_dims(ctx.dims) on every rank")
+        return self._mesh_group("dp")
 
     @property
     def tp_group(self):
         """The process group of this rank's tensor-parallel peers (they hold the slices of the same layers)."""
-        if self.mesh is None:
-            raise RuntimeError(f"layout {self.dims.describe()} needs its device mesh: ctx = ctx.with_dims(ctx.dims) on every rank")
-        return self.mesh.get_group("tp")
+        return self._mesh_group("tp")
 
     @property
     def pp_rank(self) -> int:
@@ -120,9 +116,12 @@ class RankContext:
     @property
     def pp_group(self):
         """The process group of this rank's pipeline peers: one rank per stage, same dp and tp coordinates."""
+        return self._mesh_group("pp")
+
+    def _mesh_group(self, axis: str):
         if self.mesh is None:
             raise RuntimeError(f"layout {self.dims.describe()} needs its device mesh: ctx = ctx.with_dims(ctx.dims) on every rank")
-        return self.mesh.get_group("pp")
+        return self.mesh.get_group(axis)
 
     def stage_rank(self, stage: int) -> int:
         """Global rank of this rank's peer on pipeline stage ``stage`` (same dp and tp coordinates)."""

@@ -3,6 +3,7 @@
 named within the check's time limit."""
 
 import contextlib
+import functools
 import linecache
 import time
 from pathlib import Path
@@ -83,49 +84,35 @@ def test_sampler_check():
 train_step = load("05_train_step.ipynb", "train_step")
 
 
-def backward_only_in_no_sync(ddp_model, optimizer, scaler, micro_batches, loss_fn, grad_clip):
+def mistaken_step(ddp_model, optimizer, scaler, micro_batches, loss_fn, grad_clip, *, forward_in_no_sync=True,
+                  divide=True, unscale_first=True):
+    """The solution's step with one of its three rules broken (each variant below breaks one)."""
     optimizer.zero_grad()
-    losses = []
+    n, losses = len(micro_batches), []
     for k, (x, y) in enumerate(micro_batches):
-        loss = loss_fn(ddp_model(x), y) / len(micro_batches)  # forward outside no_sync: DDP will all-reduce
-        with contextlib.nullcontext() if k == len(micro_batches) - 1 else ddp_model.no_sync():
-            scaler.scale(loss).backward()
-        losses.append(loss.item() * len(micro_batches))
-    scaler.unscale_(optimizer)
+        sync = contextlib.nullcontext() if k == n - 1 else ddp_model.no_sync()
+        if forward_in_no_sync:
+            with sync:
+                loss = loss_fn(ddp_model(x), y) / (n if divide else 1)
+                scaler.scale(loss).backward()
+        else:
+            loss = loss_fn(ddp_model(x), y) / n  # forward outside no_sync: DDP will all-reduce
+            with sync:
+                scaler.scale(loss).backward()
+        losses.append(loss.item() * (n if divide else 1))
+    if unscale_first:
+        scaler.unscale_(optimizer)
     torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), grad_clip)
+    if not unscale_first:  # the clip acted on the scaled gradient
+        scaler.unscale_(optimizer)
     scaler.step(optimizer)
     scaler.update()
     return sum(losses) / len(losses)
 
 
-def not_divided(ddp_model, optimizer, scaler, micro_batches, loss_fn, grad_clip):
-    optimizer.zero_grad()
-    losses = []
-    for k, (x, y) in enumerate(micro_batches):
-        with contextlib.nullcontext() if k == len(micro_batches) - 1 else ddp_model.no_sync():
-            loss = loss_fn(ddp_model(x), y)
-            scaler.scale(loss).backward()
-        losses.append(loss.item())
-    scaler.unscale_(optimizer)
-    torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), grad_clip)
-    scaler.step(optimizer)
-    scaler.update()
-    return sum(losses) / len(losses)
-
-
-def clip_before_unscale(ddp_model, optimizer, scaler, micro_batches, loss_fn, grad_clip):
-    optimizer.zero_grad()
-    losses = []
-    for k, (x, y) in enumerate(micro_batches):
-        with contextlib.nullcontext() if k == len(micro_batches) - 1 else ddp_model.no_sync():
-            loss = loss_fn(ddp_model(x), y) / len(micro_batches)
-            scaler.scale(loss).backward()
-        losses.append(loss.item() * len(micro_batches))
-    torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), grad_clip)  # clips the scaled gradient
-    scaler.unscale_(optimizer)
-    scaler.step(optimizer)
-    scaler.update()
-    return sum(losses) / len(losses)
+backward_only_in_no_sync = functools.partial(mistaken_step, forward_in_no_sync=False)
+not_divided = functools.partial(mistaken_step, divide=False)
+clip_before_unscale = functools.partial(mistaken_step, unscale_first=False)
 
 
 def zero_grad_last(ddp_model, optimizer, scaler, micro_batches, loss_fn, grad_clip):
