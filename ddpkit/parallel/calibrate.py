@@ -1,0 +1,172 @@
+"""The planner's cost model, calibrated on this machine and checked against the trainer's real step times.
+
+A model that ranks layouts is only as good as its ranking of layouts that can be measured. On one
+machine with CPU ranks the kit's trainer runs DDP, ZeRO-1 and FSDP2 over 4 ranks, tensor parallelism
+(``--tp 2``), a pipeline (``--pp 2``) and both (``--tp 2 --pp 2``). This module:
+
+1. measures the machine with the kit's own functions: the link (``comm.benchmark``, each collective's
+   per-hop alpha and bandwidth fitted with ``comm.fit_alpha_beta``), the compute (a GPT forward and
+   backward timed at several micro-batch sizes and fitted as the alpha-beta of computing: a fixed
+   cost per layer plus FLOPs at a rate), and the optimizer step (AdamW over a flat vector);
+2. builds a :class:`~ddpkit.parallel.step_time.Cluster` of one node from them, whose ranks share the
+   machine's cores;
+3. runs every layout's real ``Trainer`` in one launch, round-robin (a few steps of each, again and
+   again, so that a burst of load from other processes lands on all of them), and keeps the median;
+4. compares the predicted order with the measured one by Spearman's rank correlation.
+
+What a CPU cannot show: one link class only (every "node" is this machine, so crossing nodes cannot be
+measured), bandwidth terms small next to slow CPU compute (latency dominates), and overlap limited by
+the cores that both compute and move bytes.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from ddpkit.parallel import comm
+from ddpkit.parallel.step_time import Cluster, Layout, ModelSpec, optimizer_traffic
+
+FIT_OPS = ("all_reduce", "all_gather", "reduce_scatter")
+
+
+def fit_links(ctx, sizes: list[int], iters: int = 5) -> dict:
+    """Per-hop alpha (seconds) and bandwidth (bytes/s) of each collective on this world, fitted to the
+    median of ``iters`` calls per size (a function for ``ddpkit.launch``). The median, not the fastest
+    call: the trainer's collectives meet the machine's typical delays, and the model predicts typical
+    steps. A ring collective of M bytes over N ranks takes hops x alpha + share x M / bandwidth, so
+    t / hops = alpha + (share x M / hops) / bandwidth."""
+    rows = comm.benchmark(ctx, sizes, FIT_OPS, iters)
+    n, links = ctx.world_size, {}
+    for op in FIT_OPS:
+        hops = 2 * (n - 1) if op == "all_reduce" else n - 1
+        mine = [r for r in rows if r["op"] == op]
+        fit = comm.fit_alpha_beta([comm.BUS_FACTOR[op](n) * r["bytes"] / hops for r in mine],
+                                  [r["seconds"] / hops for r in mine])
+        links[op] = {"alpha_s": fit.alpha_s, "bandwidth": fit.bandwidth}
+    return links
+
+
+def _seconds(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)  # the least disturbed run
+
+
+def fit_compute(cfg, micro_batches=(2, 8, 16), repeats: int = 3) -> dict:
+    """FLOP/s and fixed seconds per layer per forward-equivalent pass of the GPT that ``cfg`` describes,
+    fitted to forward + backward (three forward-equivalents) timed on one thread, as a rank runs."""
+    from ddpkit.models import build_model, loss_fn
+
+    spec, threads = ModelSpec.from_config(cfg), torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = build_model(cfg)
+        flops, seconds = [], []
+        for b in micro_batches:
+            tokens = torch.randint(0, cfg.vocab_size, (b, cfg.seq_len))
+
+            def step():
+                model.zero_grad(set_to_none=True)
+                loss_fn(model(tokens), tokens).backward()
+
+            step()  # warm-up
+            flops.append(b * cfg.seq_len * spec.flops_per_token())
+            seconds.append(_seconds(step, repeats))
+    finally:
+        torch.set_num_threads(threads)
+    fit = comm.fit_alpha_beta(flops, seconds)
+    return {"flops": fit.bandwidth, "layer_overhead_s": fit.alpha_s / (3 * spec.layers),
+            "measured": [{"flops": f, "seconds": s} for f, s in zip(flops, seconds)]}
+
+
+def fit_optimizer(numel: int = 2**18, repeats: int = 5) -> float:
+    """Bytes/s that ``torch.optim.AdamW`` streams its fp32 state at on one thread (the rate the planner's
+    optimizer term uses)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        param = torch.nn.Parameter(torch.randn(numel))
+        param.grad = torch.randn(numel)
+        opt = torch.optim.AdamW([param], lr=1e-3)
+        opt.step()
+        seconds = _seconds(opt.step, repeats)
+    finally:
+        torch.set_num_threads(threads)
+    return numel * optimizer_traffic("fp32") / seconds
+
+
+def cpu_cluster(links: dict, compute: dict, optimizer_bandwidth: float, ranks: int, cores: int) -> Cluster:
+    """One node of ``ranks`` CPU ranks sharing ``cores``, with the measured links, compute and optimizer rate."""
+    by_op = {op: comm.AlphaBeta(**v) for op, v in links.items()}
+    return Cluster(nodes=1, gpus_per_node=ranks, memory=float(2**40), flops=compute["flops"],
+                   intra=by_op["all_reduce"], inter=by_op["all_reduce"], memory_bandwidth=optimizer_bandwidth,
+                   layer_overhead_s=compute["layer_overhead_s"], cores_per_node=cores, intra_by_op=by_op,
+                   name=f"this machine: {ranks} ranks on {cores} cores")
+
+
+def trainer_layout(cfg) -> Layout:
+    """The planner's :class:`Layout` for what a ``TrainConfig`` runs."""
+    zero = {"ddp": 0, "zero1": 1, "zero1-torch": 1, "fsdp2": 3}[cfg.strategy]
+    return Layout(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, zero=zero, checkpointing=cfg.activation_checkpointing,
+                  micro_batch=cfg.micro_batch_size, micro_batches=cfg.grad_accum, order=("tp", "dp", "pp", "cp"))
+
+
+def time_layouts(ctx, configs: dict, rounds: int = 3, steps: int = 2) -> dict[str, list[float]]:
+    """Step times of the real trainer under each config (a function for ``ddpkit.launch``): every config
+    gets its own ``Trainer`` (one warm-up step), then ``rounds`` times each runs ``steps`` steps in turn.
+    A step's time is the slowest rank's. Returns every measured step per config, on every rank."""
+    from ddpkit.train import Trainer
+
+    trainers = {name: Trainer(ctx, cfg) for name, cfg in configs.items()}
+    try:
+        for trainer in trainers.values():
+            trainer.prepare()
+            trainer.run_step()
+        times: dict[str, list[float]] = {name: [] for name in trainers}
+        for _ in range(rounds):
+            for name, trainer in trainers.items():
+                dist.barrier(group=ctx.world_group)
+                times[name] += [trainer.run_step().step_time_s for _ in range(steps)]
+    finally:
+        for trainer in trainers.values():
+            trainer.close()
+    table = torch.tensor([times[name] for name in trainers], dtype=torch.float64)
+    dist.all_reduce(table, op=dist.ReduceOp.MAX, group=ctx.world_group)
+    return {name: table[i].tolist() for i, name in enumerate(trainers)}
+
+
+def medians(times: dict[str, list[float]]) -> dict[str, float]:
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def ranks(values: list[float]) -> list[float]:
+    """1-based ranks, ties sharing their average rank."""
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    out = [0.0] * len(values)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            out[order[k]] = (i + j) / 2 + 1
+        i = j + 1
+    return out
+
+
+def spearman(x: list[float], y: list[float]) -> float:
+    """Spearman's rank correlation: Pearson's correlation of the ranks (1: same order, -1: reversed)."""
+    if len(x) != len(y) or len(x) < 3:
+        raise ValueError("rank correlation needs two lists of the same length, at least 3")
+    rx, ry = ranks(x), ranks(y)
+    mx, my = statistics.fmean(rx), statistics.fmean(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    var = (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
+    return cov / var if var else 0.0

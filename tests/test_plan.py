@@ -1,0 +1,117 @@
+"""The layout planner: its memory accounting, its step-time terms, seed 003's 70B answer, the rule that
+tensor parallelism stays inside a node, and the rank agreement that a shuffled prediction fails."""
+
+import random
+
+import pytest
+
+from ddpkit.capstone import flops_per_token
+from ddpkit.config import TrainConfig
+from ddpkit.parallel import calibrate, memory
+from ddpkit.parallel.comm import AlphaBeta
+from ddpkit.parallel.plan import (SEED003_LAYOUT, activation_bytes_per_layer, llama2_70b, memory_per_gpu, placements,
+                                  plan, seed003_cluster)
+from ddpkit.parallel.step_time import Layout, ModelSpec, Overlap, group_spans_nodes, step_time
+
+GB = 1e9
+
+
+def test_llama2_70b_has_69b_parameters_and_the_tiny_gpt_its_flops():
+    assert 68.9e9 < llama2_70b().params < 69.1e9
+    cfg = TrainConfig(model="gpt", d_model=64, n_layers=3, seq_len=32)
+    ours, theirs = ModelSpec.from_config(cfg).flops_per_token(), flops_per_token(cfg)
+    assert abs(ours / theirs - 1) < 0.02  # the capstone's count leaves the biases out
+
+
+def test_activations_are_korthikantis_formula():
+    """GPT shape (ffn 4h, dropout, no GQA) at 2 bytes: sbh(10 + 24/t), plus 5as^2b/t without FlashAttention."""
+    s, b, h, a = 2048, 2, 1024, 16
+    gpt = ModelSpec(layers=4, d_model=h, heads=a, seq_len=s, vocab=1000, dropout=True)
+    for t in (1, 2, 8):
+        got = activation_bytes_per_layer(gpt, Layout(tp=t, micro_batch=b))
+        assert got == pytest.approx(s * b * h * (10 + 24 / t))
+        scores = activation_bytes_per_layer(ModelSpec(**{**gpt.__dict__, "flash_attention": False}), Layout(tp=t, micro_batch=b))
+        assert scores - got == pytest.approx(5 * a * s * s * b / t)
+
+
+def test_memory_uses_the_zero_accounting_and_rejects_what_does_not_fit():
+    model, cluster = llama2_70b(), seed003_cluster()
+    ddp = memory_per_gpu(model, Layout(dp=128, micro_batch=1, checkpointing=True))
+    assert ddp["params"] + ddp["grads"] + ddp["optimizer"] == pytest.approx(16 * model.params)
+    zero3 = memory_per_gpu(model, Layout(dp=128, zero=3, micro_batch=1, checkpointing=True))
+    assert zero3["optimizer"] == memory.bytes_per_rank(model.params, "zero3", 128, "bf16-mixed")["optimizer"]
+    result = plan(model, cluster, 1024, tp=[1], pp=[1], zero=(0, 3), virtual=(1,))
+    assert result.rank_of(zero=3, checkpointing=True) is not None and result.rank_of(zero=0) is None
+    reasons = result.why_not(zero=0, checkpointing=True, micro_batch=1)
+    assert reasons and "memory: needs" in reasons[0] and "optimizer 827.7" in reasons[0]  # 12 bytes x 69B, whole
+
+
+def test_bubble_terms_follow_the_formulas():
+    model, cluster = llama2_70b(), seed003_cluster()
+    for v, m in ((1, 8), (2, 8), (1, 32)):
+        t = step_time(model, cluster, Layout(dp=4, tp=8, pp=4, micro_batch=1, micro_batches=m, virtual_stages=v))
+        micro = (t["total"] - t["bubble"] - t["dp_sync"] - t["optimizer"]) / m
+        assert t["bubble"] / (m * micro) == pytest.approx((4 - 1) / (v * m))
+
+
+def test_seed_003_70b_answer_is_reproduced_under_its_assumptions():
+    """No ZeRO, plain 1F1B, a batch of 8 micro-batches x DP 4: TP 8 x PP 4 x DP 4 is the fastest that fits."""
+    model, cluster = llama2_70b(), seed003_cluster()
+    best = plan(model, cluster, global_batch=32, zero=(0,), virtual=(1,)).best.layout
+    assert (best.tp, best.pp, best.dp, best.micro_batches, best.zero) == (8, 4, 4, 8, 0)
+    assert not group_spans_nodes(best, "tp", 8) and group_spans_nodes(best, "pp", 8)
+    big = plan(model, cluster, global_batch=1024, zero=(0,), virtual=(1,)).best.layout  # a 4M-token batch
+    assert (big.tp, big.pp, big.dp) == (8, 4, 4)
+
+
+def test_with_zero_allowed_the_planner_chooses_otherwise_and_faster():
+    model, cluster = llama2_70b(), seed003_cluster()
+    free = plan(model, cluster, global_batch=32)
+    seed = step_time(model, cluster, SEED003_LAYOUT)["total"]
+    assert free.best.layout.zero > 0 and free.best.layout.pp == 1 and free.best.step_s < 0.8 * seed
+
+
+def test_tensor_parallelism_stays_inside_a_node_when_the_inter_node_link_is_slow():
+    model, slow = llama2_70b(), seed003_cluster()
+    top = plan(model, slow, global_batch=1024, zero=(0, 1)).fits[:30]
+    assert all(not group_spans_nodes(c.layout, "tp", 8) for c in top)
+    crossing = [r for r in placements(model, slow, SEED003_LAYOUT) if "tp" in r["spans_nodes"]]
+    inside = [r for r in placements(model, slow, SEED003_LAYOUT) if "tp" not in r["spans_nodes"]]
+    assert min(r["step_s"] for r in crossing) > 1.3 * inside[0]["step_s"]
+    # negative control: with one link class, where tp sits costs nothing
+    flat = seed003_cluster(inter_bandwidth=600e9, inter_alpha_s=3e-6)
+    times = {round(r["step_s"], 9) for r in placements(model, flat, SEED003_LAYOUT)}
+    assert len(times) == 1
+
+
+def test_the_tp_in_node_rule_rejects_with_its_reason():
+    result = plan(llama2_70b(), seed003_cluster(), 1024, tp=[16], pp=[2, 4], zero=(0,), virtual=(1,), rules=("tp-in-node",))
+    assert not result.fits and all("rule tp-in-node" in r.reason or "tp 16 does not divide" in r.reason for r in result.rejected)
+    with pytest.raises(ValueError, match="unknown rule"):
+        plan(llama2_70b(), seed003_cluster(), 32, rules=("tp-anywhere",))
+
+
+def test_shared_cores_hide_the_bubble_and_gpus_do_not():
+    model = ModelSpec(layers=4, d_model=64, heads=4, seq_len=64, vocab=64)
+    link = AlphaBeta(1e-4, 1e9)
+    host = dict(nodes=1, gpus_per_node=4, memory=1e12, flops=1e10, intra=link, inter=link, memory_bandwidth=1e9)
+    from ddpkit.parallel.step_time import Cluster
+
+    ddp, pp = Layout(dp=4, micro_batch=8), Layout(dp=2, pp=2, micro_batch=8, micro_batches=2)
+    gpus = Cluster(**host)
+    cpu = Cluster(**host, cores_per_node=2)
+    assert step_time(model, gpus, pp)["total"] > 1.3 * step_time(model, gpus, ddp)["total"]  # the bubble costs
+    assert step_time(model, cpu, pp)["total"] < 1.1 * step_time(model, cpu, ddp)["total"]  # idle ranks lend their core
+
+
+def test_rank_agreement_passes_for_the_model_and_fails_when_shuffled():
+    """The check the notebook makes on measured step times, with its negative control."""
+    rng = random.Random(0)
+    measured = [0.10, 0.13, 0.17, 0.22, 0.29, 0.38, 0.50, 0.66]
+    predicted = [t * rng.uniform(0.85, 1.15) for t in measured]  # a model that is off by up to 15%
+    assert calibrate.spearman(predicted, measured) >= 0.6
+    shuffled = predicted[:]
+    random.Random(3).shuffle(shuffled)
+    assert calibrate.spearman(shuffled, measured) < 0.6
+    assert calibrate.spearman(predicted[::-1], measured) < 0
+    assert calibrate.ranks([3.0, 1.0, 3.0]) == [2.5, 1.0, 2.5]
