@@ -6,12 +6,13 @@ machine with CPU ranks the kit's trainer runs DDP, ZeRO-1 and FSDP2 over 4 ranks
 
 1. measures the machine with the kit's own functions: the link (``comm.benchmark``, each collective's
    per-hop alpha and bandwidth fitted with ``comm.fit_alpha_beta``), the compute (a GPT forward and
-   backward timed at several micro-batch sizes and fitted as the alpha-beta of computing: a fixed
-   cost per layer plus FLOPs at a rate), and the optimizer step (AdamW over a flat vector);
-2. builds a :class:`~ddpkit.parallel.step_time.Cluster` of one node from them, whose ranks share the
-   machine's cores;
-3. runs every layout's real ``Trainer`` in one launch, round-robin (a few steps of each, again and
-   again, so that a burst of load from other processes lands on all of them), and keeps the median;
+   backward timed at two micro-batch sizes and fitted, with the same function, as the alpha-beta of
+   computing: a fixed cost per layer plus FLOPs at a rate), and the optimizer step (AdamW);
+2. runs every layout's real ``Trainer`` in one launch, round-robin (a step of each, again and again,
+   so that a burst of load from other processes lands on all of them), keeps the median, and times the
+   compute probe between rounds, under the same load;
+3. builds a :class:`~ddpkit.parallel.step_time.Cluster` of one node from the measurements, whose ranks
+   share the machine's cores;
 4. compares the predicted order with the measured one by Spearman's rank correlation.
 
 What a CPU cannot show: one link class only (every "node" is this machine, so crossing nodes cannot be
@@ -59,31 +60,31 @@ def _seconds(fn, repeats: int) -> float:
     return min(times)  # the least disturbed run
 
 
-def fit_compute(cfg, micro_batches=(2, 8, 16), repeats: int = 3) -> dict:
-    """FLOP/s and fixed seconds per layer per forward-equivalent pass of the GPT that ``cfg`` describes,
-    fitted to forward + backward (three forward-equivalents) timed on one thread, as a rank runs."""
+def fit_compute(samples: list[dict], spec: ModelSpec, ranks: int, cores: int) -> dict:
+    """FLOP/s and fixed seconds per layer per forward-equivalent pass of one rank *alone on a core*, from
+    forward + backward passes (three forward-equivalents) timed while all ``ranks`` computed at once on
+    ``cores`` (:func:`time_layouts` measures them between the layouts' steps, under the same load): with
+    every rank busy each gets cores / ranks of a core, so the alone figures are the shared ones scaled."""
+    fit = comm.fit_alpha_beta([r["flops"] for r in samples], [statistics.median(r["seconds"]) for r in samples])
+    share = min(1.0, cores / ranks)
+    return {"flops": fit.bandwidth / share, "layer_overhead_s": fit.alpha_s * share / (3 * spec.layers)}
+
+
+def _probe(cfg, micro_batches) -> list:
+    """Forward + backward of the config's GPT at each micro-batch size, ready to time (built once)."""
     from ddpkit.models import build_model, loss_fn
 
-    spec, threads = ModelSpec.from_config(cfg), torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        model = build_model(cfg)
-        flops, seconds = [], []
-        for b in micro_batches:
-            tokens = torch.randint(0, cfg.vocab_size, (b, cfg.seq_len))
+    model, spec, runs = build_model(cfg), ModelSpec.from_config(cfg), []
+    for b in micro_batches:
+        tokens = torch.randint(0, cfg.vocab_size, (b, cfg.seq_len))
 
-            def step():
-                model.zero_grad(set_to_none=True)
-                loss_fn(model(tokens), tokens).backward()
+        def step(tokens=tokens):
+            model.zero_grad(set_to_none=True)
+            loss_fn(model(tokens), tokens).backward()
 
-            step()  # warm-up
-            flops.append(b * cfg.seq_len * spec.flops_per_token())
-            seconds.append(_seconds(step, repeats))
-    finally:
-        torch.set_num_threads(threads)
-    fit = comm.fit_alpha_beta(flops, seconds)
-    return {"flops": fit.bandwidth, "layer_overhead_s": fit.alpha_s / (3 * spec.layers),
-            "measured": [{"flops": f, "seconds": s} for f, s in zip(flops, seconds)]}
+        step()  # warm-up
+        runs.append((b * cfg.seq_len * spec.flops_per_token(), step))
+    return runs
 
 
 def fit_optimizer(numel: int = 2**18, repeats: int = 5) -> float:
@@ -118,28 +119,37 @@ def trainer_layout(cfg) -> Layout:
                   micro_batch=cfg.micro_batch_size, micro_batches=cfg.grad_accum, order=("tp", "dp", "pp", "cp"))
 
 
-def time_layouts(ctx, configs: dict, rounds: int = 3, steps: int = 2) -> dict[str, list[float]]:
+def time_layouts(ctx, configs: dict, rounds: int = 3, steps: int = 1, probe=(2, 8)) -> dict:
     """Step times of the real trainer under each config (a function for ``ddpkit.launch``): every config
-    gets its own ``Trainer`` (one warm-up step), then ``rounds`` times each runs ``steps`` steps in turn.
-    A step's time is the slowest rank's. Returns every measured step per config, on every rank."""
+    gets its own ``Trainer`` (one warm-up step), then ``rounds`` times each runs ``steps`` steps in turn,
+    and every rank times a forward + backward of the first config's GPT at each ``probe`` micro-batch size
+    (the compute calibration, under the same load). A time is the slowest rank's. Returns
+    ``{"steps": {name: [seconds...]}, "probe": [{"flops", "seconds": [per round]}]}`` on every rank."""
     from ddpkit.train import Trainer
 
     trainers = {name: Trainer(ctx, cfg) for name, cfg in configs.items()}
+    runs = _probe(next(iter(configs.values())), probe)
     try:
         for trainer in trainers.values():
             trainer.prepare()
             trainer.run_step()
         times: dict[str, list[float]] = {name: [] for name in trainers}
+        probed: list[list[float]] = [[] for _ in runs]
         for _ in range(rounds):
+            for i, (_, step) in enumerate(runs):
+                dist.barrier(group=ctx.world_group)
+                probed[i].append(_seconds(step, 1))
             for name, trainer in trainers.items():
                 dist.barrier(group=ctx.world_group)
                 times[name] += [trainer.run_step().step_time_s for _ in range(steps)]
     finally:
         for trainer in trainers.values():
             trainer.close()
-    table = torch.tensor([times[name] for name in trainers], dtype=torch.float64)
+    table = torch.tensor([times[name] for name in trainers] + probed, dtype=torch.float64)
     dist.all_reduce(table, op=dist.ReduceOp.MAX, group=ctx.world_group)
-    return {name: table[i].tolist() for i, name in enumerate(trainers)}
+    rows = table.tolist()
+    return {"steps": {name: rows[i] for i, name in enumerate(trainers)},
+            "probe": [{"flops": flops, "seconds": rows[len(trainers) + i]} for i, (flops, _) in enumerate(runs)]}
 
 
 def medians(times: dict[str, list[float]]) -> dict[str, float]:

@@ -23,7 +23,8 @@ literature with its parameters explicit, so a reader can check each against its 
   backward up to ``Overlap.grad_reduce``; ZeRO-1/2 then all-gather the updated parameters (hidden
   behind the next forward up to ``Overlap.param_gather``); ZeRO-2 reduce-scatters and ZeRO-3 also
   all-gathers the weights twice *per micro-batch* (gradient accumulation repeats them), hidden behind
-  that micro-batch's compute up to ``Overlap.sharded`` (Rajbhandari et al. 2020, ZeRO).
+  that micro-batch's compute up to ``Overlap.sharded`` (Rajbhandari et al. 2020, ZeRO); ZeRO-3 as FSDP
+  runs it gathers one layer at a time, so it pays the latency of L + 1 collectives of each kind.
 * **context parallelism** passes K/V blocks around a ring each layer (ring attention, Liu et al.
   2023); **expert parallelism** routes tokens with an all-to-all before and after each expert MLP.
 * **the optimizer** reads and writes its state once per step: memory-bound.
@@ -298,11 +299,14 @@ def step_time(model: ModelSpec, cluster: Cluster, layout: Layout, precision: str
     n = layout.dp * cp  # ranks that hold the same dense weights; each expert is on n / ep of them
     groups = ((dense, n), (experts, max(1, n // layout.ep)))
 
-    def dp_collective(op: str, bytes_per_param: int) -> float:
+    def dp_collective(op: str, bytes_per_param: float) -> float:
         return sum(collective_seconds(op, count * bytes_per_param, ranks, link(cluster, layout, "dp", op)) for count, ranks in groups)
 
     ag, rs = dp_collective("all_gather", p.weights), dp_collective("reduce_scatter", p.grads)
-    sharded = {3: 2 * ag + rs, 2: rs}.get(layout.zero, 0.0)
+    sharded = {2: rs}.get(layout.zero, 0.0)
+    if layout.zero == 3:  # FSDP gathers one layer at a time: L + 1 collectives of each kind, each paying its latency
+        units = L + 1
+        sharded = units * (2 * dp_collective("all_gather", p.weights / units) + dp_collective("reduce_scatter", p.grads / units))
     per_micro = {
         "tp": _exposed(tp_comm, compute, overlap.tp), "cp": _exposed(cp_comm, attention, overlap.cp),
         "ep": _exposed(ep_comm, compute, overlap.ep), "pp_p2p": pp_comm,
