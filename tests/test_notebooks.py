@@ -230,9 +230,24 @@ def check_16(records):
     assert records["drill"]["keys"] == sorted(q.key for q in QUESTIONS) and records["drill"]["rehearsed"] == []
 
 
+def check_19(records):
+    assert records["memory_math"] == {"seed_gb": 840.0, "full_gb": 1120.0}
+    act = records["activations"]
+    assert 0.9 < act["measured"] / act["formula"] < 1.15
+    seed = records["seed"]
+    assert seed["best"] == [8, 4, 4, 8] and abs(seed["bubble_share"] - 3 / 11) < 0.03 and seed["efficiency"] < 0.75
+    choices = records["choices"]
+    assert choices["seed's assumptions"]["seed_rank"] == 1 and choices["4M-token batch, no ZeRO"]["seed_rank"] == 1
+    assert choices["+ ZeRO 1-3"]["best_s"] < 0.8 * choices["+ ZeRO 1-3"]["seed_s"]
+    crossing = records["crossing"]
+    assert crossing["crossing_s"] > 1.3 * crossing["inside_s"] and crossing["flat_distinct"] == 1
+    validation = records["validation"]
+    assert validation["n"] >= 7 and validation["rho"] >= validation["threshold"] > validation["shuffled_median"]
+
+
 CHECKS = {"01": check_01, "02": check_02, "03": check_03, "04": check_04, "05": check_05, "06": check_06, "07": check_07, "08": check_08,
           "09": check_09, "10": check_10, "11": check_11, "12": check_12,
-          "13": check_13, "14": check_14, "15": check_15, "16": check_16}
+          "13": check_13, "14": check_14, "15": check_15, "16": check_16, "19": check_19}
 
 
 def test_every_notebook_has_a_results_check():

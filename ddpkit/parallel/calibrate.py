@@ -22,6 +22,7 @@ the cores that both compute and move bytes.
 
 from __future__ import annotations
 
+import random
 import statistics
 import time
 
@@ -180,3 +181,22 @@ def spearman(x: list[float], y: list[float]) -> float:
     cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
     var = (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
     return cov / var if var else 0.0
+
+
+def paired_medians(times: dict[str, list[float]], reference: str) -> dict[str, float]:
+    """Each config's median step time, measured against ``reference`` round by round: the median of its
+    ratio to the reference's time in the same round, times the reference's median. Load from other
+    processes that slows a whole round cancels out of the ratio."""
+    ref = times[reference]
+    base = statistics.median(ref)
+    return {name: base * statistics.median(t / r for t, r in zip(ts, ref)) for name, ts in times.items()}
+
+
+def shuffled_spearman(predicted: list[float], measured: list[float], count: int = 200, seed: int = 0) -> list[float]:
+    """The negative control: the rank correlation of ``count`` random reorderings of the prediction."""
+    rng, out = random.Random(seed), []
+    for _ in range(count):
+        shuffled = predicted[:]
+        rng.shuffle(shuffled)
+        out.append(spearman(shuffled, measured))
+    return out

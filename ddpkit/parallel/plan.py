@@ -128,7 +128,8 @@ class Plan:
         return None
 
     def why_not(self, **want) -> list[str]:
-        return [r.reason for r in self.rejected if all(getattr(r.layout, k) == v for k, v in want.items())]
+        """The distinct reasons why layouts with the given field values were rejected."""
+        return list(dict.fromkeys(r.reason for r in self.rejected if all(getattr(r.layout, k) == v for k, v in want.items())))
 
 
 def _powers_of_two(limit: int) -> list[int]:
@@ -183,18 +184,24 @@ def plan(model: ModelSpec, cluster: Cluster, global_batch: int, precision: str =
     result, usable = Plan(), cluster.usable_memory * cluster.memory
     memo: dict = {}
     best: dict = {}
+    seen: set = set()
     for layout in layouts(model, world or cluster.world, global_batch, **space):
         problem = shape_problem(model, layout, global_batch)
         if problem is None and "tp-in-node" in rules and group_spans_nodes(layout, "tp", cluster.gpus_per_node):
             problem = f"rule tp-in-node: the tp group of {layout.tp} spans nodes"
-        if problem:
-            result.rejected.append(Rejected(layout, problem))
-            continue
         key = Layout(**{**layout.__dict__, "order": AXES})  # memory does not depend on placement
+        if problem:
+            if "tp-in-node" in problem or key not in seen:  # one rejection per layout, whatever its placement
+                seen.add(key)
+                result.rejected.append(Rejected(layout, problem))
+            continue
         if key not in memo:
             memo[key] = memory_per_gpu(model, layout, precision)
         mem = memo[key]
         if mem["total"] > usable:
+            if key in seen:
+                continue
+            seen.add(key)
             parts = ", ".join(f"{k} {mem[k] / GB:.1f}" for k in ("params", "grads", "optimizer", "activations", "buffers") if mem[k])
             result.rejected.append(Rejected(layout, f"memory: needs {mem['total'] / GB:.1f} GB of {usable / GB:.1f} GB usable ({parts} GB)"))
             continue
