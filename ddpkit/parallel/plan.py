@@ -53,7 +53,7 @@ def activation_bytes_per_layer(model: ModelSpec, layout: Layout, act: int = 2) -
 
 def activation_memory(model: ModelSpec, layout: Layout, act: int = 2) -> float:
     """Activation bytes on the fullest pipeline stage. 1F1B keeps min(m, p) micro-batches in flight on
-    the first stage, (1 + (p-1)/(p v)) times that when interleaved (Korthikanti et al., Section 4.2.3);
+    the first stage, (1 + (p-1)/(p v)) times that when interleaved (Korthikanti et al., Section 4);
     recompute keeps each layer's input (2sbh) and one layer's full set while it is recomputed; the last
     stage also holds the fp32 logits."""
     L, p = math.ceil(model.layers / layout.pp), layout.pp
@@ -156,7 +156,9 @@ def shape_problem(model: ModelSpec, layout: Layout, global_batch: int) -> str | 
 def layouts(model: ModelSpec, world: int, global_batch: int, *, tp=None, pp=None, cp=None, ep=None,
             zero=(0, 1, 2, 3), checkpointing=(False, True), micro_batch=None, virtual=(1, 2),
             placements: bool = True):
-    """Every layout of ``world`` devices (degrees powers of two, unless given as lists)."""
+    """Every layout of ``world`` devices: tp, pp, ep and the micro-batch size powers of two unless given as
+    lists; cp only 1 unless asked (``cp=[1, 2, 4, 8]``: context parallelism pays for long sequences, and
+    each extra degree multiplies the enumeration); ``placements`` tries every order of the mesh axes."""
     tps, pps = tp or _powers_of_two(min(world, model.heads)), pp or _powers_of_two(min(world, model.layers))
     cps, eps = cp or [1], ep or ([1] if model.experts == 1 else _powers_of_two(min(world, model.experts)))
     for t, p, c in itertools.product(tps, pps, cps):

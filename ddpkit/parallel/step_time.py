@@ -5,7 +5,7 @@ literature with its parameters explicit, so a reader can check each against its 
 
 * **compute**: training costs 6 FLOPs per weight per token (2 forward, 4 backward) plus attention's
   two products, 12 x layers x sequence x width per token (the PaLM paper's accounting, Chowdhery et
-  al. 2022, Appendix B); recomputing activations adds one more forward (8 instead of 6). A device
+  al. 2022); recomputing activations adds one more forward (8 instead of 6). A device
   sustains ``Cluster.flops`` on it, plus a fixed cost per layer per pass (``layer_overhead_s``:
   kernel launches on a GPU, the framework's dispatch on a CPU).
 * **communication**: the alpha-beta model (``comm.py``) per collective, with the ring's shares: an
@@ -276,8 +276,9 @@ def stage_params(model: ModelSpec, layout: Layout) -> tuple[float, float]:
 
 def step_time(model: ModelSpec, cluster: Cluster, layout: Layout, precision: str = "bf16-mixed",
               overlap: Overlap = Overlap()) -> dict[str, float]:
-    """Seconds of one optimizer step by term; the terms add up to ``total``. ``efficiency`` is the time a
-    perfectly parallel run would take at the sustained rate over ``total``."""
+    """Seconds of one optimizer step by term, for the slowest pipeline stage (the most layers, and the
+    head); the terms add up to ``total``. ``efficiency`` is the time a perfectly parallel run would take
+    at the sustained rate over ``total``."""
     p, act = PRECISIONS[precision], PRECISIONS[precision].weights  # activations travel in the weights' dtype
     L = math.ceil(model.layers / layout.pp)
     tp, cp, v, m = layout.tp, layout.cp, layout.virtual_stages, layout.micro_batches
