@@ -115,3 +115,13 @@ def test_rank_agreement_passes_for_the_model_and_fails_when_shuffled():
     assert calibrate.spearman(shuffled, measured) < 0.6
     assert calibrate.spearman(predicted[::-1], measured) < 0
     assert calibrate.ranks([3.0, 1.0, 3.0]) == [2.5, 1.0, 2.5]
+
+
+def test_trainer_configs_map_to_planner_layouts_and_paired_medians_cancel_common_load():
+    cfg = TrainConfig(model="gpt", world_size=4, tp=2, pp=2, micro_batch_size=4, grad_accum=4)
+    layout = calibrate.trainer_layout(cfg)
+    assert (layout.dp, layout.tp, layout.pp, layout.micro_batches, layout.global_batch) == (1, 2, 2, 4, cfg.global_batch_size)
+    assert calibrate.trainer_layout(cfg.replace(tp=1, pp=1, strategy="fsdp2", checkpoint_dir=None)).zero == 3
+    times = {"ref": [1.0, 3.0, 1.0], "slow": [2.0, 6.0, 2.0]}  # the second round ran under 3x the load
+    assert calibrate.paired_medians(times, "ref") == {"ref": 1.0, "slow": 2.0}
+    assert calibrate.medians(times)["slow"] == 2.0
