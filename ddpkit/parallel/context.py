@@ -16,9 +16,9 @@ while it only ever holds two blocks (the one it computes with and the one arrivi
 * **Causal masking, balanced.** With the sequence cut in N contiguous pieces, rank N-1's queries see
   every key block and rank 0's only its own: the last rank does about 2N-1 times the work of the first,
   and every ring step waits for the slowest. Cut the sequence in 2N chunks instead and give rank r
-  chunks r and 2N-1-r (**zig-zag**, as in zhuzilin's ring-flash-attention; PyTorch's
-  ``context_parallel`` calls it head-tail load balancing; Llama 3 splits into 2 x CP chunks for the same
-  reason): every rank then computes the same number of blocks (:func:`block_counts`).
+  chunks r and 2N-1-r (**zig-zag**, as zhuzilin's ring-flash-attention names it; PyTorch's
+  ``context_parallel`` calls it head-tail load balancing and uses it by default): every rank then computes
+  the same number of blocks (:func:`block_counts`).
 * **Overlap.** At each step a rank posts the exchange of the *next* K/V block (one
   ``dist.batch_isend_irecv`` holding its send to the next rank and its receive from the previous one,
   posted together so that it cannot deadlock when a send completes only once its receive is posted, as

@@ -17,10 +17,9 @@ all-gather. So they replace Megatron's ``f`` and ``g`` by
 Between the pairs the residual stream stays split along the sequence: each rank holds, and saves for
 backward, 1/t of the LayerNorm inputs and outputs. The forward moves the same bytes as tensor
 parallelism (an all-reduce of M costs 2(t-1)/t x M per rank, a reduce-scatter plus an all-gather
-(t-1)/t x M each). The column layer keeps only its input shard and all-gathers it again in backward to
-form the weight gradient (the paper: "we only store the Y_i^s part on the i-th tensor parallel rank and
-perform an extra all-gather in the backward pass"), which adds one all-gather per column layer to
-backward: that is what makes *every* stored activation 1/t.
+(t-1)/t x M each). As in the paper, the column layer keeps only its input shard and all-gathers it
+again in backward to form the weight gradient, one more all-gather per column layer in backward: that
+is what makes *every* stored activation 1/t.
 
 Activation bytes per block (s positions, b sequences, h width, a heads), counted the paper's way:
 
