@@ -6,7 +6,7 @@ import torch
 
 from ddpkit.config import TrainConfig
 from ddpkit.launch import launch
-from ddpkit.parallel import context, context_checks, sequence
+from ddpkit.parallel import context, context_checks, sequence, sequence_checks
 
 GPT = TrainConfig(model="gpt", n_layers=2)
 
@@ -15,7 +15,7 @@ GPT = TrainConfig(model="gpt", n_layers=2)
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_sequence_parallel_gpt_equals_the_unsplit_model(tp):
-    for rank in launch(sequence.check_against_unsplit, GPT, world_size=tp, output="none"):
+    for rank in launch(sequence_checks.check_against_unsplit, GPT, world_size=tp, output="none"):
         assert rank["output_diff"] <= 1e-6 and rank["grad_diff"] <= 1e-6, rank
         # per block: 2 all-gathers and 2 reduce-scatters forward, +1 all-gather entering the final norm
         assert rank["calls"]["forward all_gather"] == 2 * GPT.n_layers + 1
@@ -23,13 +23,13 @@ def test_sequence_parallel_gpt_equals_the_unsplit_model(tp):
 
 
 def test_without_the_gradient_sum_the_layer_norms_are_wrong():  # negative control
-    rank = launch(sequence.check_against_unsplit, GPT, 4, False, world_size=2, output="none")[0]
+    rank = launch(sequence_checks.check_against_unsplit, GPT, 4, False, world_size=2, output="none")[0]
     assert rank["grad_diff"] > 1e-3 and ("ln" in rank["worst_param"] or "bias" in rank["worst_param"]), rank
 
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_activation_bytes_per_rank_match_the_formula(tp):
-    for rank in launch(sequence.measure_block, 2, 64, 32, 4, world_size=tp, output="none"):
+    for rank in launch(sequence_checks.measure_block, 2, 64, 32, 4, world_size=tp, output="none"):
         for mode, row in rank.items():
             assert row["measured"] == row["formula"], (mode, row)
         assert rank["sp"]["measured"] * tp == rank["none"]["measured"]  # every stored activation split t ways
@@ -41,7 +41,7 @@ def test_the_formula_falls_apart_without_sequence_parallelism():  # the replicat
 
 
 def test_ours_matches_dtensor_sequence_parallel():
-    for rank in launch(sequence.check_against_dtensor, world_size=2, output="none"):
+    for rank in launch(sequence_checks.check_against_dtensor, world_size=2, output="none"):
         assert rank["output_diff"] <= 1e-6 and rank["input_grad_diff"] <= 1e-6 and rank["grad_diff"] <= 1e-6, rank
         assert rank["ln_grad_placement"] == "Partial"  # PyTorch, too, owes the LayerNorm's gradient a sum
 
