@@ -61,7 +61,12 @@ class ExpertParallelMoE(nn.Module):
     """A :class:`~ddpkit.parallel.experts.MoE` with its experts split over ``group``: the router whole,
     this rank's E/ep experts (same parameter names, a slice of each stacked weight). Forward takes this
     rank's tokens. ``exchange_splits=False`` skips step 1 and assumes each rank receives what it sends
-    (the negative control); ``aux_scale`` multiplies the auxiliary loss."""
+    (the negative control); ``aux_scale`` multiplies the auxiliary loss.
+
+    Training it inside data parallelism: the router (like every replicated parameter) is averaged over
+    the data-parallel ranks; an expert's gradient already sums every rank's tokens (they reached it
+    through the all-to-all), so with each rank's loss a mean over its own tokens it must be divided by
+    ep the same way, and reduced only over the replicas of that expert (same expert-parallel index)."""
 
     def __init__(self, full: MoE, group, exchange_splits: bool = True, aux_scale: float = 1.0) -> None:
         super().__init__()
