@@ -114,3 +114,55 @@ def test_torchs_context_parallel_does_not_run_on_cpu():
         assert rank["diff"] <= 1e-5, rank
     else:
         assert "does not have a sharding strategy" in rank["error"], rank
+
+
+# --------------------------------------------------------------------------- NCCL's rule, imposed on gloo
+
+def _ring_under_rendezvous(ctx, paired: bool) -> float:
+    """Ring attention forward and backward where a send may start only once its matching receive has
+    been posted (NCCL's rendezvous; gloo buffers sends and would forgive a bad order). ``paired=False``
+    posts each hop's send in a batch of its own, before the receive: the order that deadlocks on NCCL."""
+    import collections
+    import datetime
+
+    import torch.distributed as dist
+
+    store, real, seen = dist.distributed_c10d._get_default_store(), dist.batch_isend_irecv, collections.Counter()
+
+    def rendezvous(ops):
+        for op in ops:  # posting a batch posts all its receives: announce them first
+            if op.op is dist.irecv:
+                seen["recv", op.peer] += 1
+                store.set(f"posted/{op.peer}->{ctx.rank}/{seen['recv', op.peer]}", "1")
+        for op in ops:  # a send waits for its receive
+            if op.op is dist.isend:
+                seen["send", op.peer] += 1
+                store.wait([f"posted/{ctx.rank}->{op.peer}/{seen['send', op.peer]}"], datetime.timedelta(seconds=5))
+        return real(ops)
+
+    class Unpaired(context._Exchange):
+        def __init__(self, tensor, group, stats):
+            n, r = dist.get_world_size(group), dist.get_rank(group)
+            self.received = torch.empty_like(tensor)
+            self.requests = dist.batch_isend_irecv([dist.P2POp(dist.isend, tensor, (r + 1) % n, group)])
+            self.requests += dist.batch_isend_irecv([dist.P2POp(dist.irecv, self.received, (r - 1) % n, group)])
+
+    dist.batch_isend_irecv = rendezvous
+    if not paired:
+        context._Exchange = Unpaired
+    torch.manual_seed(0)
+    q, k, v, dout = (context.shard_sequence(torch.randn(1, 2, 36, 8), ctx.rank, ctx.world_size, dim=2) for _ in range(4))
+    leaves = [t.requires_grad_(True) for t in (q, k, v)]
+    context.ring_attention(*leaves, dist.group.WORLD).backward(dout)
+    return float(leaves[0].grad.abs().sum())
+
+
+def test_the_ring_cannot_deadlock_when_every_send_waits_for_its_receive():
+    assert all(g > 0 for g in launch(_ring_under_rendezvous, True, world_size=3, output="none"))
+
+
+def test_sends_posted_before_their_receives_deadlock_under_that_rule():  # negative control
+    from ddpkit.launch import LaunchError
+
+    with pytest.raises(LaunchError, match="wait timeout"):  # every rank's send waits for a receive never posted
+        launch(_ring_under_rendezvous, False, world_size=3, output="none", timeout=20)
