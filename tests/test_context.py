@@ -60,6 +60,8 @@ def test_zigzag_layout_round_trips_and_names_positions():
 
 def test_zigzag_is_pytorchs_head_tail_layout():
     balancer = pytest.importorskip("torch.distributed.tensor.experimental._context_parallel._load_balancer")
+    if not hasattr(balancer, "_HeadTailLoadBalancer"):
+        pytest.skip("this torch has no head-tail load balancer")
     order = balancer._HeadTailLoadBalancer(16, 4, "cpu")._generate_indices()[0].tolist()
     ours = torch.cat([context.shard_sequence(torch.arange(16).view(1, 16), r, 4, 1) for r in range(4)], 1)
     assert ours[0].tolist() == order
@@ -112,8 +114,8 @@ def test_torchs_context_parallel_does_not_run_on_cpu():
     rank = launch(context_checks.try_torch_context_parallel, world_size=2, output="none")[0]
     if rank["ran"]:  # a torch that can: then it must agree with ours
         assert rank["diff"] <= 1e-5, rank
-    else:
-        assert "does not have a sharding strategy" in rank["error"], rank
+    else:  # no CPU rule for the attention op (or, on an older torch, no context_parallel at all)
+        assert "does not have a sharding strategy" in rank["error"] or "ImportError" in rank["error"], rank
 
 
 # --------------------------------------------------------------------------- NCCL's rule, imposed on gloo

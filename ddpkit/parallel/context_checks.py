@@ -177,12 +177,13 @@ def try_torch_context_parallel(ctx, batch: int = 1, heads: int = 2, seq_len: int
     """PyTorch's ``context_parallel`` on this device: whether it ran, the error if not, and if it ran
     the largest difference of its output shard from ours (its default layout is head-tail = zig-zag)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.experimental import context_parallel
 
     q, k, v, _ = _qkv(batch, heads, seq_len, head_dim)
     mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
     buffers = [q.clone(), k.clone(), v.clone()]  # sharded in place inside the context
     try:
+        from torch.distributed.tensor.experimental import context_parallel
+
         with context_parallel(mesh, buffers=buffers, buffer_seq_dims=[2, 2, 2]):
             theirs = F.scaled_dot_product_attention(*buffers, is_causal=True)
     except Exception as exc:  # the lesson is the refusal: report it, whatever its type

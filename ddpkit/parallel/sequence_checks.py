@@ -96,7 +96,11 @@ def check_against_dtensor(ctx, batch: int = 2, seq_len: int = 16, d_model: int =
     (a function for ``ddpkit.launch``): output, input-gradient and parameter-gradient differences, and
     the placement DTensor gives the LayerNorm's gradient before any sum."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard
+
+    try:
+        from torch.distributed.tensor import Shard
+    except ImportError:  # torch before 2.5 keeps it private
+        from torch.distributed._tensor import Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         RowwiseParallel,
