@@ -33,7 +33,7 @@ its own q, k, v, output and log-sum-exp: 1/N of full attention's.
 
 PyTorch has its own, ``torch.distributed.tensor.experimental.context_parallel``; on CPU it stops at
 "Operator aten._scaled_dot_product_flash_attention_for_cpu.default does not have a sharding strategy
-registered" (torch 2.13): :func:`try_torch_context_parallel` shows it.
+registered" (torch 2.13): ``context_checks.try_torch_context_parallel`` shows it.
 """
 
 from __future__ import annotations
