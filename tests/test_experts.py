@@ -77,14 +77,14 @@ def _train_a_moe_gpt():
 
 @pytest.mark.parametrize("ep", [2, 4])
 def test_expert_parallel_equals_the_single_process_moe(ep):
-    for rank in launch(expert_parallel.check_against_single, world_size=ep, output="none"):
+    ranks = launch(expert_parallel.check_against_single, world_size=ep, output="none")
+    for rank in ranks:
         assert rank["output_diff"] == 0.0 and rank["input_grad_diff"] <= 1e-6, rank
         assert rank["expert_grad_diff"] <= 1e-5 and rank["router_grad_diff"] <= 1e-6, rank
         stats = rank["stats"]
-        assert stats["dropped"] > 0 and max(stats["kept"]) <= stats["capacity"]  # the drops happened, the same ones
+        assert stats["dropped"] > 0 and max(stats["kept"]) <= stats["capacity"]
         assert len(set(stats["send_splits"])) > 1 or len(set(stats["recv_splits"])) > 1  # uneven splits
-    assert sum(r["stats"]["dropped"] for r in launch(expert_parallel.check_against_single, world_size=ep,
-                                                       output="none")) == rank["reference"]["dropped"]
+    assert sum(r["stats"]["dropped"] for r in ranks) == ranks[0]["reference"]["dropped"]  # the same drops
 
 
 def test_without_capacity_the_split_run_keeps_what_the_reference_drops():  # negative control
