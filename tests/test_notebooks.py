@@ -245,9 +245,40 @@ def check_19(records):
     assert validation["n"] >= 7 and validation["rho"] >= validation["threshold"] > validation["shuffled_median"]
 
 
+def check_17(records):
+    sp = records["sp_unsplit"]
+    assert sp["max_diff"] <= 1e-6 and sp["no_sync_diff"] > 1e-3 and sp["forward_all_gathers"] == 2 * sp["layers"] + 1
+    t = records["sp_bytes"]["t"]
+    assert all(row["measured"] == row["formula"] for mode, row in records["sp_bytes"].items() if mode != "t")
+    assert records["sp_bytes"]["sp"]["measured"] * t == records["sp_bytes"]["none"]["measured"]
+    assert records["sp_dtensor"]["max_diff"] <= 1e-6 and records["sp_dtensor"]["placement"] == "Partial"
+    assert records["ring"]["max_diff"] <= 1e-5 and records["ring"]["no_rescale_diff"] > 0.1
+    balance = records["balance"]
+    assert len(set(balance["zigzag"])) == 1 and balance["contiguous"][-1] > balance["contiguous"][0]
+    assert balance["cpu_ratio"][-1] > 1.3 * balance["cpu_ratio"][0]
+    assert records["overlap"]["hidden_s"] < records["overlap"]["exposed_s"]
+    assert all(r == records["memory"]["world"] for r in records["memory"]["ratios"])
+    assert records["gpt"]["max_diff"] <= 1e-6 and records["gpt"]["bytes_ratio"] == records["memory"]["world"]
+    cp = records["torch_cp"]
+    assert cp["ran"] or "does not have a sharding strategy" in cp["error"] or "ImportError" in cp["error"]
+
+
+def check_18(records):
+    routing = records["routing"]
+    assert routing["dropped"] == sum(routing["routed"]) - sum(routing["kept"]) > 0 and max(routing["kept"]) <= routing["capacity"]
+    assert abs(records["aux"]["uniform"] - 1) < 1e-6 and records["aux"]["collapsed"] > records["aux"]["experts"] - 0.1
+    assert records["training"]["last"] < records["training"]["first"] - 0.5
+    split = records["expert_parallel"]
+    assert split["max_diff"] <= 1e-5 and split["dropped"] > 0 and split["uneven"]
+    assert records["negative"]["no_capacity_diff"] > 1e-3 and records["negative"]["no_exchange_failed"]
+    cost = records["cost"]
+    assert all(abs(d - b) <= 0.35 * b for d, b in zip(cost["dispatch"], cost["balanced"])) and cost["bandwidth"] > 0
+
+
 CHECKS = {"01": check_01, "02": check_02, "03": check_03, "04": check_04, "05": check_05, "06": check_06, "07": check_07, "08": check_08,
           "09": check_09, "10": check_10, "11": check_11, "12": check_12,
-          "13": check_13, "14": check_14, "15": check_15, "16": check_16, "19": check_19}
+          "13": check_13, "14": check_14, "15": check_15, "16": check_16,
+          "17": check_17, "18": check_18, "19": check_19}
 
 
 def test_every_notebook_has_a_results_check():
