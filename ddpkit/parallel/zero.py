@@ -197,8 +197,14 @@ class ZeroAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def refresh_master(self) -> None:
-        """The master shard from the model's parameters (after they were loaded)."""
-        self.master.copy_(self._flat_params()[self.lo:self.hi])
+        """The master shard from the model's parameters (after they were loaded), parameter by parameter:
+        the flat vector of all of them is never built."""
+        offset = 0
+        for p in self.params:
+            start, stop = max(offset, self.lo), min(offset + p.numel(), self.hi)
+            if start < stop:
+                self.master[start - self.lo:stop - self.lo].copy_(p.detach().reshape(-1)[start - offset:stop - offset])
+            offset += p.numel()
         self._reduced = False
 
     def state_bytes(self) -> int:
