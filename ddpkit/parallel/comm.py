@@ -76,19 +76,33 @@ class RingStats:
     bytes_sent: int = 0
 
 
+BATCHED = True
+"""Post each step's send and receive together. False posts the send, then waits for the receive: fine on
+gloo, which buffers the send, and a deadlock on NCCL at two ranks (both neighbours are the same peer, and
+each send waits for a receive queued behind the peer's own send). Kept to show that it does."""
+
+
 def _exchange(send: torch.Tensor, recv: torch.Tensor, to: int, frm: int, group, stats: RingStats) -> None:
-    """Send to one neighbour while receiving from the other (isend first, or two ranks would both block).
-    An empty chunk (a buffer shorter than 2N elements) is not sent at all: both of its ends know it is
-    empty, since they compute the same chunk bounds."""
-    request = None
+    """Send to one neighbour while receiving from the other, the two posted together (``batch_isend_irecv``,
+    NCCL's grouped send and receive). An empty chunk (a buffer shorter than 2N elements) is not sent at
+    all: both of its ends know it is empty, since they compute the same chunk bounds."""
+    ops = []
     if send.numel():
-        request = dist.isend(send.contiguous(), dist.get_global_rank(group, to) if group else to, group=group)
+        ops.append(dist.P2POp(dist.isend, send.contiguous(), dist.get_global_rank(group, to) if group else to, group=group))
         stats.messages += 1
         stats.bytes_sent += send.numel() * send.element_size()
     if recv.numel():
-        dist.recv(recv, dist.get_global_rank(group, frm) if group else frm, group=group)
-    if request is not None:
-        request.wait()
+        ops.append(dist.P2POp(dist.irecv, recv, dist.get_global_rank(group, frm) if group else frm, group=group))
+    if not BATCHED:
+        works = [dist.isend(op.tensor, op.peer, group=group) if op.op is dist.isend else dist.recv(op.tensor, op.peer, group=group)
+                 for op in ops]
+        for work in works:
+            if hasattr(work, "wait"):
+                work.wait()
+        return
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
 
 
 def ring_reduce_scatter_(flat: torch.Tensor, group=None, stats: RingStats | None = None) -> tuple[int, int]:
