@@ -237,3 +237,47 @@ def test_a_full_ddp_checkpoint_resumes_under_zero1_bitwise(tmp_path):
     resumed = run(2, strategy="zero1", checkpoint_dir=str(tmp_path), resume=True, **common)[0]
     assert resumed["param_sha256"] == whole["param_sha256"]
     assert resumed["optimizer_sha256"] == whole["optimizer_sha256"]
+
+
+# --------------------------------------------------------------------------- fp16: ranks that hold parts of the gradients agree
+
+def _fp16_with_an_inf_on_one_rank(ctx, cfg, agree: bool):
+    """Three fp16 steps; in the second, rank 1 alone finds an inf in a replicated weight's gradient."""
+    import torch
+
+    from ddpkit.parallel.tensor_strategy import TensorParallelStrategy
+
+    if not agree:  # the rule switched off: each rank's scaler decides alone
+        TensorParallelStrategy.overflow_group = property(lambda self: None)
+    trainer = Trainer(ctx, cfg)
+    trainer.prepare()
+    weight = trainer.raw_model.tok_emb.weight  # replicated on every tp rank
+    for step in range(3):
+        handle = weight.register_hook(lambda g: torch.full_like(g, float("inf"))) if step == 1 and ctx.rank == 1 else None
+        trainer.run_step()
+        if handle is not None:
+            handle.remove()
+    trainer.close()
+    return {"weight": weight.detach().clone(), "scale": float(trainer.scaler.get_scale())}
+
+
+def test_fp16_tensor_parallel_ranks_skip_an_overflowing_step_together():
+    cfg = TrainConfig(world_size=2, tp=2, amp="fp16", **{**GPT, "steps": 3})
+    agreed = launch(_fp16_with_an_inf_on_one_rank, cfg, True, world_size=2, output="none")
+    assert agreed[0]["weight"].equal(agreed[1]["weight"]) and agreed[0]["scale"] == agreed[1]["scale"]
+    alone = launch(_fp16_with_an_inf_on_one_rank, cfg, False, world_size=2, output="none")
+    assert not alone[0]["weight"].equal(alone[1]["weight"])  # rank 0 stepped, rank 1 skipped: the copies part
+    assert alone[0]["scale"] != alone[1]["scale"]
+
+
+@pytest.mark.parametrize("layout", [dict(strategy="zero1"), pytest.param(dict(strategy="fsdp2"), marks=NEEDS_FSDP2),
+                                    dict(pp=2), dict(tp=2)], ids=["zero1", "fsdp2", "pp", "tp"])
+def test_fp16_runs_with_sharded_and_model_parallel_layouts_and_resumes_exactly(tmp_path, layout):
+    common = dict(amp="fp16", checkpoint_format="dcp", **{**GPT, "steps": 6})
+    reference = run(2 // (layout.get("pp", 1) * layout.get("tp", 1)), **common)[0]  # DDP over the same dp ranks
+    whole = run(2, **common, **layout)[0]
+    run(2, checkpoint_dir=str(tmp_path), checkpoint_every=3, **{**common, "steps": 3}, **layout)
+    resumed = run(2, checkpoint_dir=str(tmp_path), resume=True, **common, **layout)[0]
+    assert resumed["resumed_from_step"] == 3 and resumed["param_sha256"] == whole["param_sha256"]
+    assert resumed["optimizer_sha256"] == whole["optimizer_sha256"]
+    assert max(abs(a["loss"] - b["loss"]) for a, b in zip(whole["losses"], reference["losses"])) <= 1e-3

@@ -202,6 +202,8 @@ class PipelineStrategy(HeldState, Strategy):
         plan = exchange_plan(order, s, p)
         shape = self._activation_shape(micro_batches[0]["inputs"])  # every message is one (B, T, C)
         inputs, outputs, losses, sums, outgoing, pending = {}, {}, {}, {}, {}, []
+        if not self._last:  # fp16: the scaler takes its first scale when it first scales, and only the last
+            run.scaler.scale(torch.zeros((), device=self.ctx.device))  # stage scales a loss; the others unscale
         for k, action in enumerate(order):
             received = self._exchange(plan[k], outgoing, shape, pending)
             i = action.micro
