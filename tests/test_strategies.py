@@ -281,3 +281,36 @@ def test_fp16_runs_with_sharded_and_model_parallel_layouts_and_resumes_exactly(t
     assert resumed["resumed_from_step"] == 3 and resumed["param_sha256"] == whole["param_sha256"]
     assert resumed["optimizer_sha256"] == whole["optimizer_sha256"]
     assert max(abs(a["loss"] - b["loss"]) for a, b in zip(whole["losses"], reference["losses"])) <= 1e-3
+
+
+def _zero_torch_beside_tensor_parallel(ctx, name):
+    """One AdamW step of an MLP replicated over the dp group of a dp 2 x tp 2 layout (each tp index is a
+    data-parallel group of its own, {0, 2} and {1, 3}), then the whole optimizer state on rank 0."""
+    import torch
+
+    from ddpkit.models import MLP
+    from ddpkit.parallel.ddp import DDPStrategy
+    from ddpkit.parallel.dims import ParallelDims
+    from ddpkit.parallel.zero import TorchZeroStrategy
+
+    ctx = ctx.with_dims(ParallelDims(dp=2, tp=2))
+    strategy = (TorchZeroStrategy if name == "zero1-torch" else DDPStrategy)(ctx)
+    torch.manual_seed(0)
+    model = MLP(8, 16, 4)
+    wrapped = strategy.wrap(model)
+    optimizer = strategy.build_optimizer(model, 1e-2, 0.01)
+    torch.manual_seed(1 + ctx.dp_rank)
+    wrapped(torch.randn(4, 8)).sum().backward()
+    optimizer.step()
+    _, optimizer_state = strategy.state_dicts(wrapped, optimizer)
+    return {n: {k: v.clone() for k, v in entry.items()} for n, entry in optimizer_state.get("state", {}).items()}
+
+
+def test_zero_redundancy_state_is_gathered_where_the_data_parallel_group_is_not_the_world():
+    """The dp group's rank 0 is not global rank 0 in every group: the gather must not mix the two."""
+    ddp, zero = (launch(_zero_torch_beside_tensor_parallel, name, world_size=4, output="none")
+                 for name in ("ddp", "zero1-torch"))
+    assert set(zero[0]) == set(ddp[0]) and len(ddp[0]) == 6 and all(not r for r in zero[1:])
+    for name, entry in ddp[0].items():
+        for key, value in entry.items():
+            assert zero[0][name][key].equal(value), (name, key)
