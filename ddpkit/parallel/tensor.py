@@ -253,8 +253,8 @@ def split_linear_demo(ctx, out_features: int = 6, in_features: int = 4) -> dict:
     which rank holds which weight element, and the split layer's output and input gradient against the
     whole layer's."""
     torch.manual_seed(0)
-    full = nn.Linear(in_features, out_features)
-    x = torch.randn(3, in_features, requires_grad=True)
+    full = nn.Linear(in_features, out_features).to(ctx.device)
+    x = torch.randn(3, in_features).to(ctx.device).requires_grad_(True)
     full(x).sum().backward()
     out = {}
     for style in ("column", "row"):
@@ -280,11 +280,11 @@ def check_against_unsplit(ctx, cfg, batch: int = 4) -> dict:
     from ddpkit.models import build_model, loss_fn
 
     torch.manual_seed(1)
-    tokens = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len))
-    whole = build_model(cfg)
+    tokens = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len)).to(ctx.device)
+    whole = build_model(cfg).to(ctx.device)
     out_whole = whole(tokens)
     loss_fn(out_whole, tokens).backward()
-    split = parallelize(build_model(cfg), dist.group.WORLD)
+    split = parallelize(build_model(cfg).to(ctx.device), dist.group.WORLD)
     CALLS.clear()
     out_split = split(tokens)
     forward_calls = CALLS["forward"]
@@ -312,12 +312,12 @@ def check_against_dtensor(ctx, cfg, batch: int = 4) -> dict:
     from ddpkit.models import build_model, loss_fn
 
     torch.manual_seed(1)
-    tokens = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len))
-    ours = parallelize(build_model(cfg), dist.group.WORLD, parts=("mlp",))
+    tokens = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len)).to(ctx.device)
+    ours = parallelize(build_model(cfg).to(ctx.device), dist.group.WORLD, parts=("mlp",))
     out_ours = ours(tokens)
     loss_fn(out_ours, tokens).backward()
-    theirs = build_model(cfg)
-    mesh = init_device_mesh(out_ours.device.type, (ctx.world_size,))
+    theirs = build_model(cfg).to(ctx.device)
+    mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
     for block in theirs.blocks:  # each layer directly: older torch resolves dotted plan keys differently
         parallelize_module(block.mlp[0], mesh, ColwiseParallel())
         parallelize_module(block.mlp[2], mesh, RowwiseParallel())
