@@ -73,7 +73,15 @@ def _save_and_load(ctx, cfg, root: str, whole_everywhere: bool) -> dict:
             strategy.load_sharded_state_dicts(trainer.model, trainer.optimizer, saved["model"], saved["optimizer"])
 
     load()
-    return {"save": save, "load": _peak_growth(load), "own": held["params"] + held["optimizer"],
+    grown = _peak_growth(load)
+    if whole_everywhere:  # the full writer's old gather: the whole state on every rank
+        whole = strategy.state_dicts
+        strategy.state_dicts = lambda model, optimizer, rank0_only=True: whole(model, optimizer, rank0_only=False)
+    trainer.cfg = trainer.cfg.replace(checkpoint_format="full", checkpoint_dir=root + "-full")
+    trainer.save()
+    trainer.step += 1
+    full = _peak_growth(trainer.save)
+    return {"save": save, "load": grown, "full_save": full, "own": held["params"] + held["optimizer"],
             "optimizer": held["optimizer"], "largest": largest}
 
 
@@ -91,3 +99,32 @@ def test_a_sharded_save_and_load_grow_a_rank_by_at_most_its_largest_tensor(tmp_p
         assert ours["save"] <= slack + views and ours["load"] <= slack, (rank, ours)
         # the whole state on every rank costs more than this rank's own state and a tensor besides
         assert theirs["save"] > ours["own"] + slack or theirs["load"] > ours["own"] + slack, (rank, theirs, ours)
+        if rank > 0:  # a full checkpoint gathers to rank 0 only: the others send their chunks and keep nothing
+            assert ours["full_save"] <= slack < ours["own"] + slack < theirs["full_save"], (rank, ours, theirs)
+
+
+def _snapshot_of_fsdp_state(ctx, cfg):
+    from ddpkit import sharded_checkpoint
+
+    trainer = Trainer(ctx, cfg)
+    trainer.prepare()
+    trainer.run_step()
+    model_state, optimizer_state = trainer.strategy.sharded_state_dicts(trainer.model, trainer.optimizer)
+    live = model_state["net.0.weight"]
+    snap = sharded_checkpoint._snapshot({"model": model_state, "optimizer": optimizer_state["state"]})
+    leaf = snap["model"]["net.0.weight"]
+    pieces = leaf.pieces if isinstance(leaf, Chunked) else []
+    trainer.close()
+    return {"live_is_dtensor": hasattr(live, "to_local"), "snapshot_is_dtensor": hasattr(leaf, "to_local"),
+            "host_pieces": [(p.device.type, p.is_pinned() == torch.cuda.is_available()) for _, p in pieces],
+            "shares_memory": any(p.untyped_storage().data_ptr() == live.to_local().untyped_storage().data_ptr()
+                                 for _, p in pieces),
+            "equal": all(p.equal(live.to_local()) for _, p in pieces)}
+
+
+@pytest.mark.skipif(not __import__("ddpkit.parallel.fsdp", fromlist=["x"]).cpu_supported(), reason="FSDP2 on CPU")
+def test_the_async_snapshot_of_a_dtensor_is_a_host_copy_of_its_chunk():
+    cfg = TrainConfig(world_size=2, strategy="fsdp2", dataset_size=256, input_width=32, hidden_width=64, steps=1)
+    for rank in launch(_snapshot_of_fsdp_state, cfg, world_size=2, output="none"):
+        assert rank["live_is_dtensor"] and not rank["snapshot_is_dtensor"], rank  # a DTensor would keep its device
+        assert rank["host_pieces"] == [("cpu", True)] and not rank["shares_memory"] and rank["equal"], rank
