@@ -5,7 +5,9 @@ its size and time grow with the model and one rank does all the I/O. DCP instead
 write what it owns**, plus a ``.metadata`` file (written by rank 0) that records, for every tensor,
 its full shape and which chunk of it lies at which offset of which file. Loading is planned against
 that map: a rank asks for the slices *it* now needs, whatever layout wrote them. That is **resharding**:
-a checkpoint written by 4 ranks with DDP loads on 2 ranks with FSDP2, and the reverse.
+a checkpoint written by 4 ranks with DDP loads on 2 ranks with FSDP2, and the reverse. FSDP2 hands DCP
+DTensors; ZeRO-1, tensor- and pipeline-parallel ranks hand it the chunks they hold
+(``parallel/chunks.py``): no rank gathers what another holds, to save or to load.
 
 The folder protocol is the one every ddpkit checkpoint follows (``checkpoint.py``): rank 0 makes a
 temporary folder, every rank writes into it, rank 0 adds ``extra.pt`` (sampler position, every rank's
