@@ -86,21 +86,21 @@ def _exchange(send: torch.Tensor, recv: torch.Tensor, to: int, frm: int, group, 
     """Send to one neighbour while receiving from the other, the two posted together (``batch_isend_irecv``,
     NCCL's grouped send and receive). An empty chunk (a buffer shorter than 2N elements) is not sent at
     all: both of its ends know it is empty, since they compute the same chunk bounds."""
+    to, frm = (dist.get_global_rank(group, to), dist.get_global_rank(group, frm)) if group else (to, frm)
     ops = []
     if send.numel():
-        ops.append(dist.P2POp(dist.isend, send.contiguous(), dist.get_global_rank(group, to) if group else to, group=group))
+        ops.append(dist.P2POp(dist.isend, send.contiguous(), to, group=group))
         stats.messages += 1
         stats.bytes_sent += send.numel() * send.element_size()
     if recv.numel():
-        ops.append(dist.P2POp(dist.irecv, recv, dist.get_global_rank(group, frm) if group else frm, group=group))
-    if not BATCHED:
-        works = [dist.isend(op.tensor, op.peer, group=group) if op.op is dist.isend else dist.recv(op.tensor, op.peer, group=group)
-                 for op in ops]
-        for work in works:
-            if hasattr(work, "wait"):
-                work.wait()
-        return
-    if ops:
+        ops.append(dist.P2POp(dist.irecv, recv, frm, group=group))
+    if not BATCHED:  # the send posted, then the receive waited for, then the send
+        request = dist.isend(ops[0].tensor, to, group=group) if send.numel() else None
+        if recv.numel():
+            dist.recv(recv, frm, group=group)
+        if request is not None:
+            request.wait()
+    elif ops:
         for work in dist.batch_isend_irecv(ops):
             work.wait()
 
