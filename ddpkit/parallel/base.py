@@ -82,8 +82,8 @@ class Strategy:
 
     def agree_on_overflow(self, scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> None:
         """After ``scaler.unscale_``: every rank of :attr:`overflow_group` skips the step if any of them
-        found an inf or a NaN (the found-inf flags are all-reduced with MAX), as torch's
-        ``ShardedGradScaler`` does for FSDP. A rank that holds only part of the gradients (a tp shard, a
+        found an inf or a NaN: the found-inf flags are all-reduced (with MAX; torch's ``ShardedGradScaler``,
+        made for FSDP, all-reduces them with SUM in its ``unscale_``, to the same effect). A rank that holds only part of the gradients (a tp shard, a
         pipeline stage, a ZeRO or FSDP shard) sees only part of an overflow: alone, one rank would skip
         the step while another applied it, the replicated weights would part, and the loss scales
         would drift apart, so that a stage would unscale with a scale its gradients were not scaled by."""
