@@ -190,11 +190,6 @@ class TrainConfig:
         need(self.checkpoint_format in CHECKPOINT_FORMATS,
              f"unknown checkpoint format {self.checkpoint_format!r}: use one of {', '.join(CHECKPOINT_FORMATS)}")
         need(isinstance(self.activation_checkpointing, bool), "activation-checkpointing must be True or False")
-        # GradScaler skips a step when *this rank's* gradients overflowed; a sharded strategy's ranks hold
-        # different gradients (unreduced, or shards), so they could disagree and the replicas diverge
-        need(not (self.amp == "fp16" and self.strategy in ("zero1", "fsdp2")),
-             f"amp fp16 with strategy {self.strategy}: the ranks would decide separately whether to skip a step "
-             f"on overflow; use --amp bf16 (no loss scaling needed) or --strategy ddp")
         need(not (self.strategy == "fsdp2" and self.checkpoint_dir and self.checkpoint_format == "full"),
              "strategy fsdp2 keeps only a shard of each parameter on every rank: use --checkpoint-format dcp "
              "(every rank writes its own shards)")
@@ -231,8 +226,6 @@ class TrainConfig:
         need(self.pp <= self.n_layers,
              f"pp {self.pp} is more stages than the model's {self.n_layers} blocks: use --pp <= {self.n_layers} "
              f"or raise --n-layers")
-        need(not (self.amp == "fp16" and self.pp > 1),
-             "amp fp16 with pp: each stage would decide alone whether to skip a step on overflow; use --amp bf16")
         need(self.global_batch_size <= self.dataset_size,
              f"global batch {self.global_batch_size} (micro {self.micro_batch_size} x accum "
              f"{self.grad_accum} x world {self.dp}) is larger than the dataset "

@@ -93,11 +93,16 @@ def _redirect_output(path: str) -> None:
 class _CPUPickler(pickle.Pickler):
     """Pickles tensors as detached CPU copies wherever they sit: in a defaultdict, a namedtuple, a
     dataclass or any object. A CUDA tensor unpickled in the parent would initialise CUDA there (and
-    every later fork would be refused); a tensor that requires grad cannot be pickled at all."""
+    every later fork would be refused); a tensor that requires grad cannot be pickled at all; and a view
+    is pickled with its whole storage (four numbers sliced from a thousand carry the thousand), so it
+    becomes a compact copy of its own elements."""
 
     def reducer_override(self, obj):
         if isinstance(obj, torch.Tensor) and (obj.device.type != "cpu" or obj.requires_grad):
             return _same, (obj.detach().to("cpu", copy=True),)
+        if type(obj) is torch.Tensor and obj.layout == torch.strided and \
+                obj.untyped_storage().nbytes() != obj.numel() * obj.element_size():
+            return _same, (obj.detach().clone(memory_format=torch.contiguous_format),)
         return NotImplemented
 
 

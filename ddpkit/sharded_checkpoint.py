@@ -5,7 +5,9 @@ its size and time grow with the model and one rank does all the I/O. DCP instead
 write what it owns**, plus a ``.metadata`` file (written by rank 0) that records, for every tensor,
 its full shape and which chunk of it lies at which offset of which file. Loading is planned against
 that map: a rank asks for the slices *it* now needs, whatever layout wrote them. That is **resharding**:
-a checkpoint written by 4 ranks with DDP loads on 2 ranks with FSDP2, and the reverse.
+a checkpoint written by 4 ranks with DDP loads on 2 ranks with FSDP2, and the reverse. FSDP2 hands DCP
+DTensors; ZeRO-1, tensor- and pipeline-parallel ranks hand it the chunks they hold
+(``parallel/chunks.py``): no rank gathers what another holds, to save or to load.
 
 The folder protocol is the one every ddpkit checkpoint follows (``checkpoint.py``): rank 0 makes a
 temporary folder, every rank writes into it, rank 0 adds ``extra.pt`` (sampler position, every rank's
@@ -39,6 +41,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from ddpkit import checkpoint
 from ddpkit.checkpoint import CheckpointError
 from ddpkit.files import file_sha256
+from ddpkit.parallel.chunks import Chunked, dcp_takes_chunks, require_chunks
 
 EXTRA_FILE = checkpoint.EXTRA_FILE
 METADATA_FILE = checkpoint.DCP_METADATA
@@ -107,6 +110,7 @@ def save(ctx, root: str, step: int, model_state: dict, optimizer_state: dict, ex
          keep_last: int = 3) -> Path | None:
     """Write a dcp checkpoint (collective: every rank calls with its own, possibly sharded, state).
     ``optimizer_state`` is keyed by parameter name; its ``param_groups`` go to ``extra.pt``."""
+    require_chunks(model_state)
     tmp = _agree_on_folder(ctx, root, step)
     try:  # DCP reports any rank's write error on every rank
         dcp.save(_tensors(model_state, optimizer_state), storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True),
@@ -121,17 +125,25 @@ def save(ctx, root: str, step: int, model_state: dict, optimizer_state: dict, ex
 
 def load(ctx, path: str | Path, model_state: dict, optimizer_state: dict) -> dict:
     """Read a dcp checkpoint into this rank's templates (collective). ``model_state`` and
-    ``optimizer_state["state"]`` must hold tensors of this run's layout (sharded or not): DCP fills them
-    in place, reading whichever slices of whichever files this rank's shards need. Returns the same
-    ``saved`` dict a full checkpoint gives: model, optimizer, scaler, sampler, rng, meta, train."""
+    ``optimizer_state["state"]`` must hold tensors of this run's layout (sharded or not, all of the model
+    or only what this rank holds): DCP fills them in place, reading whichever slices of whichever files
+    this rank's chunks need. Returns the same ``saved`` dict a full checkpoint gives (model, optimizer,
+    scaler, sampler, rng, meta, train) for what this rank holds: ``model`` and the optimizer's ``state``
+    and ``param_groups`` name this rank's parameters; ``model_names`` names every parameter the
+    checkpoint holds."""
     path = Path(path)
     if ctx.is_main and (problem := checkpoint.verify(path)):
         raise CheckpointError(f"checkpoint {path.name} does not verify: {problem}")
     tensors = _tensors(model_state, optimizer_state)
-    dcp.load(tensors, storage_reader=SafeReader(str(path)), process_group=_world(ctx))
+    require_chunks(tensors)
+    reader = SafeReader(str(path))
+    dcp.load(tensors, storage_reader=reader, process_group=_world(ctx))
     extra = torch.load(path / EXTRA_FILE, map_location="cpu", weights_only=True)
-    optimizer = {"state": tensors["optimizer"], "param_groups": extra.pop("param_groups")}
-    return {**extra, "model": tensors["model"], "optimizer": optimizer}
+    held = set(tensors["optimizer"])
+    groups = [{**g, "params": [name for name in g["params"] if name in held]} for g in extra.pop("param_groups")]
+    names = sorted(key[len("model."):] for key in reader.read_metadata().state_dict_metadata if key.startswith("model."))
+    return {**extra, "model": tensors["model"], "model_names": names,
+            "optimizer": {"state": tensors["optimizer"], "param_groups": groups}}
 
 
 def is_dcp(path: str | Path) -> bool:
@@ -173,6 +185,9 @@ class AsyncSave:
         self.wait()  # the buffers are free again only when the previous write is done
         tmp = _agree_on_folder(self.ctx, root, step)
         self._buffers = _snapshot(_tensors(model_state, optimizer_state), self._buffers)
+        require_chunks(self._buffers)
+        if self.ctx.device.type == "cuda":  # the copies into page-locked memory run asynchronously
+            torch.cuda.current_stream(self.ctx.device).synchronize()
         future = dcp.async_save(self._buffers, storage_writer=_SnapshotWriter(str(tmp), sync_files=True),
                                 process_group=self.group)
         extra = {**extra, "param_groups": optimizer_state["param_groups"]}
@@ -190,18 +205,32 @@ class AsyncSave:
 
 
 def _snapshot(tree, buffers=None):
-    """A copy of every tensor in ``tree``, into ``buffers`` (same structure and shapes) when given."""
+    """A host copy of every tensor in ``tree``, into ``buffers`` (the previous snapshot) where shapes
+    allow. A tensor on a GPU is copied to page-locked host memory (device to host, asynchronously: wait
+    for the stream before reading it). A DTensor, like a :class:`~ddpkit.parallel.chunks.Chunked`, becomes
+    the chunk this rank holds, on the host: what DCP writes for it either way."""
     if isinstance(tree, dict):
         return {k: _snapshot(v, buffers.get(k) if isinstance(buffers, dict) else None) for k, v in tree.items()}
     if not torch.is_tensor(tree):
         return tree
-    local = tree.detach()
-    if buffers is not None and torch.is_tensor(buffers) and type(buffers) is type(local) \
-            and buffers.shape == local.shape and buffers.dtype == local.dtype:
-        return buffers.copy_(local)
-    if local.device.type == "cuda" and not hasattr(local, "to_local"):  # a GPU tensor: the copy goes to host memory
-        return local.to("cpu", copy=True)
-    return local.clone()  # a DTensor keeps its device and mesh
+    if hasattr(tree, "to_local") and not dcp_takes_chunks():  # an older torch: DCP's own way, a DTensor on the host
+        return tree.detach().to("cpu")
+    if isinstance(tree, Chunked) or hasattr(tree, "to_local"):
+        sources = tree.pieces if isinstance(tree, Chunked) else \
+            [(tuple(c.offsets), tree.to_local()) for c in tree.__create_chunk_list__()]
+        previous = buffers.pieces if isinstance(buffers, Chunked) and len(buffers.pieces) == len(sources) else None
+        pieces = [(offsets, _host_copy(piece, previous[i][1] if previous else None))
+                  for i, (offsets, piece) in enumerate(sources)]
+        return Chunked(tree.shape, pieces, tree.dtype, "cpu")
+    return _host_copy(tree, buffers)
+
+
+def _host_copy(tensor: torch.Tensor, buffer) -> torch.Tensor:
+    tensor = tensor.detach()
+    reusable = type(buffer) is torch.Tensor and buffer.shape == tensor.shape and buffer.dtype == tensor.dtype
+    if not reusable:
+        buffer = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
+    return buffer.copy_(tensor, non_blocking=tensor.is_cuda)
 
 
 def folder_bytes(path: str | Path) -> int:

@@ -157,8 +157,9 @@ def check_saved(saved: dict, cfg: TrainConfig, expected_lr: float, saved_at_step
                               f"the files were mixed up; start from another checkpoint")
     if consumed != step * cfg.global_batch_size:
         raise CheckpointError(f"sampler position {consumed} != step {step} x global batch {cfg.global_batch_size}")
-    if model_keys is not None and set(saved["model"]) != model_keys:
-        missing, extra = sorted(model_keys - set(saved["model"])), sorted(set(saved["model"]) - model_keys)
+    saved_keys = set(saved.get("model_names", saved["model"]))  # a dcp load fills only what this rank holds
+    if model_keys is not None and saved_keys != model_keys:
+        missing, extra = sorted(model_keys - saved_keys), sorted(saved_keys - model_keys)
         raise CheckpointError(f"checkpoint holds another model's parameters (missing {missing[:3]}, unexpected "
                               f"{extra[:3]}): resume with the config it was trained with")
     if cfg.amp == "fp16" and not saved.get("scaler"):

@@ -9,7 +9,9 @@
   forward **and** backward inside ``no_sync()``; see ``parallel/base.py``);
 * AMP: ``bf16`` autocast needs no scaler (bf16 has fp32's exponent range); ``fp16`` needs
   ``GradScaler``, and gradients are **unscaled before clipping** (clipping scaled gradients clips at
-  the wrong threshold).
+  the wrong threshold). Where ranks hold different parts of the gradients (tensor or pipeline
+  parallel, ZeRO-1, FSDP2) they agree whether any part overflowed before the scaler decides to skip
+  the step (:meth:`~ddpkit.parallel.base.Strategy.agree_on_overflow`).
 
 The step returns this rank's loss sum and sample ids. :func:`global_loss_sum` makes the global loss
 every rank agrees on, each step; :func:`gather_sample_ids` collects the global sample ids (what
@@ -138,6 +140,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler:
                                                                timer, sums, ids))
     with timer("optimizer_s"):
         scaler.unscale_(optimizer)  # before clipping: clip the true gradient, not the scaled one
+        strategy.agree_on_overflow(scaler, optimizer)  # ranks holding parts of the gradients skip together
         norm = None
         if cfg.grad_clip > 0 or guard is not None:  # clipping at infinity measures the norm, changes nothing
             norm = strategy.clip_grad_norm_(model, cfg.grad_clip if cfg.grad_clip > 0 else math.inf)

@@ -36,8 +36,6 @@ from ddpkit.config import TrainConfig, learned
     (dict(world_size=4, pp=2), "cuts the GPT's blocks into stages: use --model gpt"),
     (dict(world_size=4, pp=2, model="gpt", strategy="zero1"), "combines with strategy ddp"),
     (dict(world_size=3, pp=3, model="gpt", n_layers=2), "more stages than the model's 2 blocks"),
-    (dict(world_size=2, pp=2, model="gpt", amp="fp16"), "each stage would decide alone"),
-    (dict(strategy="zero1", amp="fp16"), "amp bf16"),
     (dict(strategy="zero9"), "unknown strategy"),
     (dict(checkpoint_dir="/x", resume=True, overwrite_checkpoints=True), "choose one"),
     (dict(n_heads=5), "must divide d-model"),

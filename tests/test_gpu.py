@@ -164,3 +164,82 @@ def test_model_parallel_layouts_train_like_one_gpu_on_nccl(tmp_path, layout):
     one, split = train("one", 1), train("split", 2, *layout)
     assert split["dp"] == 1 and split["data_sha256"] == one["data_sha256"]
     assert max(abs(a["loss"] - b["loss"]) for a, b in zip(split["losses"], one["losses"])) <= 1e-4
+
+
+# --------------------------------------------------------------------------- the NCCL paths the CPU tests prove by replay
+
+NEEDS_TWO = pytest.mark.skipif(runtime.gpu_count() < 2, reason="needs 2 GPUs: one per rank")
+
+
+def _nccl(fn, *args, world=2):
+    from ddpkit.launch import launch
+
+    return launch(fn, *args, world_size=world, backend="nccl", start_method="spawn", output="none", timeout=120)
+
+
+@NEEDS_TWO
+def test_the_pipeline_passes_activations_larger_than_nccls_buffers():
+    """8 MiB activations (NCCL_BUFFSIZE is 4 MiB by default): sent one at a time, 1F1B hangs here."""
+    from ddpkit import train
+    from ddpkit.config import TrainConfig
+
+    common = dict(model="gpt", d_model=1024, n_heads=8, seq_len=64, micro_batch_size=32, grad_accum=4, steps=2,
+                  dataset_size=512)
+    one = _nccl(train.run, TrainConfig(world_size=1, **common), world=1)[0]
+    split = _nccl(train.run, TrainConfig(world_size=2, pp=2, **common))[0]
+    assert split["data_sha256"] == one["data_sha256"]
+    assert max(abs(a["loss"] - b["loss"]) for a, b in zip(split["losses"], one["losses"])) <= 1e-3
+
+
+@NEEDS_TWO
+@pytest.mark.parametrize("layout", [dict(tp=2), dict(pp=2), dict(strategy="zero1"), dict(strategy="fsdp2")])
+def test_fp16_agrees_on_overflow_over_nccl_and_resumes_sharded_state_exactly(tmp_path, layout):
+    from ddpkit import train
+    from ddpkit.config import TrainConfig
+
+    common = dict(model="gpt", amp="fp16", checkpoint_format="dcp", steps=6, dataset_size=512, **layout)
+    whole = _nccl(train.run, TrainConfig(world_size=2, **common))[0]
+    _nccl(train.run, TrainConfig(world_size=2, checkpoint_dir=str(tmp_path), **{**common, "steps": 3}))
+    resumed = _nccl(train.run, TrainConfig(world_size=2, checkpoint_dir=str(tmp_path), resume=True, **common))[0]
+    assert resumed["resumed_from_step"] == 3 and resumed["param_sha256"] == whole["param_sha256"]
+
+
+def _helpers_on_the_gpu(ctx):
+    from ddpkit.parallel import comm
+    from tests.test_helper_devices import HELPERS, audited
+
+    out = {name: audited(ctx, helper, *args) for name, (helper, *args) in HELPERS.items()}
+    out["ring_max_diff"] = max(row["max_diff"] for row in comm.check_ring(ctx, [5, 4096]))
+    out["collectives"] = comm.show_collectives(ctx, 6)
+    return out
+
+
+@NEEDS_TWO
+def test_the_notebooks_helpers_run_on_nccl_with_every_tensor_on_the_gpu():
+    for rank in _nccl(_helpers_on_the_gpu):
+        assert all(rank[name] == [] for name in ("show_collectives", "check_ring", "split_linear_demo",
+                                                  "check_against_unsplit", "check_against_dtensor", "run_pipeline"))
+        assert rank["ring_max_diff"] <= 1e-3 and rank["collectives"]["all_reduce"] == [10.0, 12.0, 14.0, 16.0, 18.0, 20.0]
+
+
+def _snapshot_on_the_gpu(ctx):
+    import torch
+
+    from ddpkit import sharded_checkpoint
+    from ddpkit.config import TrainConfig
+    from ddpkit.parallel.chunks import Chunked
+    from ddpkit.train import Trainer
+
+    trainer = Trainer(ctx, TrainConfig(world_size=2, strategy="fsdp2", steps=1))
+    trainer.prepare()
+    trainer.run_step()
+    model_state, _ = trainer.strategy.sharded_state_dicts(trainer.model, trainer.optimizer)
+    snap = sharded_checkpoint._snapshot(model_state)
+    torch.cuda.synchronize()
+    return [(type(v) is Chunked, [(p.device.type, p.is_pinned()) for _, p in v.pieces]) for v in snap.values()]
+
+
+@NEEDS_TWO
+def test_the_async_snapshot_of_gpu_state_is_a_copy_to_page_locked_host_memory():
+    for rank in _nccl(_snapshot_on_the_gpu):
+        assert all(chunked and pieces == [("cpu", True)] for chunked, pieces in rank)

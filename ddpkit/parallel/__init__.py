@@ -1,10 +1,13 @@
 """The parallelism plane: how the model, its gradients and its optimizer state are split across ranks.
 
 One file per idea: data-parallel strategies (``ddp.py``, ``zero.py``, ``fsdp.py``) behind the small
-interface in ``base.py``; model parallelism (``tensor.py``: layers split across ranks; ``pipeline.py``:
-layers in stages, and the schedules; ``pipeline_strategy.py``: the trainer's step as a pipeline);
-collectives and what they cost (``comm.py``); memory per rank (``memory.py``); ``dims.py`` is the
-parallel layout (dp x tp x pp) and its device mesh. :func:`build_strategy` maps a config's ``strategy``
+interface in ``base.py``; model parallelism (``tensor.py``: layers split across ranks, and
+``tensor_strategy.py``: the trainer's replicas split so; ``pipeline.py``: layers in stages, and the
+schedules; ``pipeline_strategy.py``: the trainer's step as a pipeline); what a rank holds, as chunks of
+whole tensors, for checkpoints that stay sharded (``chunks.py``, ``held_state.py``); collectives and
+what they cost (``comm.py``), and point-to-point patterns checked under NCCL's rule that a send waits
+for its receive (``rendezvous.py``); memory per rank (``memory.py``); ``dims.py`` is the parallel
+layout (dp x tp x pp) and its device mesh. :func:`build_strategy` maps a config's ``strategy``
 name (and its tp and pp degrees) to one. Strategy modules are imported on demand, so that importing the
 layout (which the config does) stays cheap.
 """
@@ -30,7 +33,7 @@ def build_strategy(name: str, ctx):
 
         return PipelineStrategy(ctx)
     if ctx is not None and ctx.dims.tp > 1:  # each replica split over a tp group, DDP across replicas
-        from ddpkit.parallel.tensor import TensorParallelStrategy
+        from ddpkit.parallel.tensor_strategy import TensorParallelStrategy
 
         return TensorParallelStrategy(ctx)
     module, cls = STRATEGIES[name].split(":")

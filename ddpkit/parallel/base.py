@@ -28,6 +28,7 @@ import contextlib
 from typing import Callable, ContextManager
 
 import torch
+import torch.distributed as dist
 
 from ddpkit.metrics import CommTimer
 from ddpkit.runtime import RankContext
@@ -72,6 +73,30 @@ class Strategy:
     def clip_grad_norm_(self, model: torch.nn.Module, max_norm: float) -> torch.Tensor:
         """Clip the global gradient norm (a sharded strategy must reduce the norm across shards)."""
         return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+
+    @property
+    def overflow_group(self):
+        """The ranks that must agree whether a step's fp16 gradients overflowed, or None when every rank
+        already sees the same gradients (DDP: they are averaged before the scaler looks)."""
+        return None
+
+    def agree_on_overflow(self, scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> None:
+        """After ``scaler.unscale_``: every rank of :attr:`overflow_group` skips the step if any of them
+        found an inf or a NaN: the found-inf flags are all-reduced (with MAX; torch's ``ShardedGradScaler``,
+        made for FSDP, all-reduces them with SUM in its ``unscale_``, to the same effect). A rank that holds only part of the gradients (a tp shard, a
+        pipeline stage, a ZeRO or FSDP shard) sees only part of an overflow: alone, one rank would skip
+        the step while another applied it, the replicated weights would part, and the loss scales
+        would drift apart, so that a stage would unscale with a scale its gradients were not scaled by."""
+        group = self.overflow_group
+        if not scaler.is_enabled() or group is None or not self.ctx.is_distributed:
+            return
+        found = list(scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values())
+        flag = torch.zeros((), dtype=torch.float32, device=self.ctx.device)
+        for found_inf in found:
+            flag = torch.maximum(flag, found_inf.to(self.ctx.device))
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        for found_inf in found:
+            found_inf.copy_(flag)
 
     def eval_loss(self, model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         """The model's mean loss on one batch, without gradients, the same on every rank (collective where
@@ -151,18 +176,3 @@ def tensor_bytes(tensor: torch.Tensor) -> int:
 def _param_names(model: torch.nn.Module) -> list[str]:
     """Parameter names in ``model.parameters()`` order: the order an optimizer built from it numbers them."""
     return [name for name, p in model.named_parameters() if p.requires_grad]
-
-
-def fqn_optimizer_state(state_dict: dict, model: torch.nn.Module) -> dict:
-    """An optimizer state dict keyed by parameter index -> the same keyed by parameter name (the form
-    ``torch.distributed.checkpoint.state_dict`` uses, so every strategy's checkpoints look alike)."""
-    names = _param_names(model)
-    return {"state": {names[int(i)]: entry for i, entry in state_dict["state"].items()},
-            "param_groups": [{**g, "params": [names[int(i)] for i in g["params"]]} for g in state_dict["param_groups"]]}
-
-
-def index_optimizer_state(state_dict: dict, model: torch.nn.Module) -> dict:
-    """The reverse of :func:`fqn_optimizer_state`."""
-    index = {name: i for i, name in enumerate(_param_names(model))}
-    return {"state": {index[name]: entry for name, entry in state_dict["state"].items()},
-            "param_groups": [{**g, "params": [index[name] for name in g["params"]]} for g in state_dict["param_groups"]]}

@@ -76,19 +76,33 @@ class RingStats:
     bytes_sent: int = 0
 
 
+BATCHED = True
+"""Post each step's send and receive together. False posts the send, then waits for the receive: fine on
+gloo, which buffers the send, and a deadlock on NCCL at two ranks (both neighbours are the same peer, and
+each send waits for a receive queued behind the peer's own send). Kept to show that it does."""
+
+
 def _exchange(send: torch.Tensor, recv: torch.Tensor, to: int, frm: int, group, stats: RingStats) -> None:
-    """Send to one neighbour while receiving from the other (isend first, or two ranks would both block).
-    An empty chunk (a buffer shorter than 2N elements) is not sent at all: both of its ends know it is
-    empty, since they compute the same chunk bounds."""
-    request = None
+    """Send to one neighbour while receiving from the other, the two posted together (``batch_isend_irecv``,
+    NCCL's grouped send and receive). An empty chunk (a buffer shorter than 2N elements) is not sent at
+    all: both of its ends know it is empty, since they compute the same chunk bounds."""
+    to, frm = (dist.get_global_rank(group, to), dist.get_global_rank(group, frm)) if group else (to, frm)
+    ops = []
     if send.numel():
-        request = dist.isend(send.contiguous(), dist.get_global_rank(group, to) if group else to, group=group)
+        ops.append(dist.P2POp(dist.isend, send.contiguous(), to, group=group))
         stats.messages += 1
         stats.bytes_sent += send.numel() * send.element_size()
     if recv.numel():
-        dist.recv(recv, dist.get_global_rank(group, frm) if group else frm, group=group)
-    if request is not None:
-        request.wait()
+        ops.append(dist.P2POp(dist.irecv, recv, frm, group=group))
+    if not BATCHED:  # the send posted, then the receive waited for, then the send
+        request = dist.isend(ops[0].tensor, to, group=group) if send.numel() else None
+        if recv.numel():
+            dist.recv(recv, frm, group=group)
+        if request is not None:
+            request.wait()
+    elif ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
 
 
 def ring_reduce_scatter_(flat: torch.Tensor, group=None, stats: RingStats | None = None) -> tuple[int, int]:
@@ -144,8 +158,8 @@ def check_ring(ctx, sizes: list[int], seed: int = 0) -> list[dict]:
     the messages and bytes this rank sent."""
     rows = []
     for n in sizes:
-        g = torch.Generator().manual_seed(seed + 1000 * n + ctx.rank)
-        mine = torch.randn(n, generator=g) * 10.0 ** torch.randint(-3, 4, (n,), generator=g)  # mixed magnitudes
+        g = torch.Generator().manual_seed(seed + 1000 * n + ctx.rank)  # drawn on the host: the same values anywhere
+        mine = (torch.randn(n, generator=g) * 10.0 ** torch.randint(-3, 4, (n,), generator=g)).to(ctx.device)
         ours, theirs = mine.clone(), mine.clone()
         stats = ring_all_reduce(ours)
         dist.all_reduce(theirs)
@@ -157,8 +171,8 @@ def check_ring(ctx, sizes: list[int], seed: int = 0) -> list[dict]:
 def show_collectives(ctx, n: int = 6) -> dict:
     """Each collective on a tiny tensor (rank r holds r*10 + [0, 1, ...]): before and after, on every
     rank (a function for ``ddpkit.launch``)."""
-    world, r = ctx.world_size, ctx.rank
-    mine = torch.arange(n, dtype=torch.float32) + 10 * r
+    world, r, device = ctx.world_size, ctx.rank, ctx.device
+    mine = torch.arange(n, dtype=torch.float32, device=device) + 10 * r
     out = {"before": mine.tolist()}
     t = mine.clone()
     dist.all_reduce(t)
@@ -166,10 +180,10 @@ def show_collectives(ctx, n: int = 6) -> dict:
     t = mine.clone()
     dist.broadcast(t, src=0)
     out["broadcast"] = t.tolist()
-    shard = torch.empty(n // world)
+    shard = torch.empty(n // world, device=device)
     reduce_scatter_tensor(shard, mine[: n // world * world].clone())
     out["reduce_scatter"] = shard.tolist()
-    gathered = torch.empty(n // world * world)
+    gathered = torch.empty(n // world * world, device=device)
     all_gather_into_tensor(gathered, mine[: n // world].clone())
     out["all_gather"] = gathered.tolist()
     return out
@@ -212,28 +226,42 @@ def run_collective(op: str, tensor: torch.Tensor, group=None, out: torch.Tensor 
         raise ValueError(f"unknown collective {op!r}: use one of {', '.join(COLLECTIVES)} or ring_all_reduce")
 
 
-def time_collective(op: str, nbytes: int, group=None, iters: int = 5, warmup: int = 1) -> float:
-    """Median seconds of one ``op`` on a message of ``nbytes`` (collective: every rank calls). Every
-    call starts from a barrier, so a rank that arrived late is not billed to the collective."""
-    return _timed_calls(op, nbytes, group, iters, warmup)[0]
+def time_collective(op: str, nbytes: int, group=None, iters: int = 5, warmup: int = 1,
+                    device: torch.device | str = "cpu") -> float:
+    """Median seconds of one ``op`` on a message of ``nbytes`` on ``device`` (collective: every rank
+    calls). Every call starts from a barrier, so a rank that arrived late is not billed to the collective."""
+    return _timed_calls(op, nbytes, group, iters, warmup, torch.device(device))[0]
 
 
-def _timed_calls(op: str, nbytes: int, group, iters: int, warmup: int) -> tuple[float, float]:
+def _timed_calls(op: str, nbytes: int, group, iters: int, warmup: int,
+                 device: torch.device = torch.device("cpu")) -> tuple[float, float]:
     """(median, fastest) seconds of ``iters`` calls, each the slowest rank's. On a busy machine the
-    fastest call is the one least disturbed by other processes: what a cost model should be fitted to."""
+    fastest call is the one least disturbed by other processes: what a cost model should be fitted to.
+
+    Timed on the device's clock: on a GPU a collective returns as soon as it is queued, so CUDA events
+    recorded on the stream around it measure it (read once it has finished); on the CPU, the host clock."""
     n = dist.get_world_size(group)
     numel = max(n, nbytes // 4 // n * n)
-    tensor = torch.ones(numel)
-    out = torch.empty(numel // n) if op in ("reduce_scatter", "all_gather") else None
+    tensor = torch.ones(numel, device=device)
+    out = torch.empty(numel // n, device=device) if op in ("reduce_scatter", "all_gather") else None
     times = []
     for i in range(warmup + iters):
-        dist.barrier(group=group)
-        start = time.perf_counter()
-        run_collective(op, tensor, group, out)
+        dist.barrier(group=group, **({"device_ids": [device.index]} if device.type == "cuda" else {}))
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            run_collective(op, tensor, group, out)
+            end.record()
+            end.synchronize()
+            seconds = start.elapsed_time(end) / 1e3
+        else:
+            started = time.perf_counter()
+            run_collective(op, tensor, group, out)
+            seconds = time.perf_counter() - started
         if i >= warmup:
-            times.append(time.perf_counter() - start)
+            times.append(seconds)
     # a collective is done when the last rank is: every rank reports the slowest rank's times
-    slowest = torch.tensor([statistics.median(times), min(times)], dtype=torch.float64)
+    slowest = torch.tensor([statistics.median(times), min(times)], dtype=torch.float64, device=device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
     return float(slowest[0]), float(slowest[1])
 
@@ -252,7 +280,7 @@ def benchmark(ctx, sizes: list[int], ops: tuple[str, ...] = COLLECTIVES, iters: 
     rows = []
     for op in ops:
         for nbytes in sizes:
-            seconds, fastest = _timed_calls(op, nbytes, None, iters, 1)
+            seconds, fastest = _timed_calls(op, nbytes, None, iters, 1, ctx.device)
             rows.append({**bandwidths(op, nbytes, seconds, ctx.world_size), "best_seconds": fastest, "world": ctx.world_size})
     return rows
 

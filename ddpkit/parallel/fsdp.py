@@ -87,6 +87,10 @@ class FSDPStrategy(Strategy):
     def no_sync(self, model: torch.nn.Module) -> ContextManager:
         return self._no_sync(model)
 
+    @property
+    def overflow_group(self):
+        return self.ctx.dp_group  # each rank's gradients are a shard: an overflow shows in one shard only
+
     def clip_grad_norm_(self, model: torch.nn.Module, max_norm: float) -> torch.Tensor:
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)  # sums squares over shards
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm

@@ -170,12 +170,16 @@ def stage_bounds(n_layers: int, p: int) -> list[tuple[int, int]]:
     return list(zip(cuts, cuts[1:]))
 
 
-def _timed(record: list, kind: str, fn):
+def _timed(record: list, kind: str, fn, device: torch.device = torch.device("cpu")):
+    """``fn`` with each call's (start, end) on the host's monotonic clock, shared by the ranks; on a GPU the
+    end waits for the stream, so that it is when the chunk's work finished, not when it was queued."""
     def wrapper(*args, **kwargs):
         start = time.monotonic()
         try:
             return fn(*args, **kwargs)
         finally:
+            if device.type == "cuda":
+                torch.cuda.current_stream(device).synchronize()
             record.append({"kind": kind, "start": start, "end": time.monotonic()})
     return wrapper
 
@@ -196,43 +200,43 @@ def run_pipeline(ctx, cfg, schedule_name: str, n_micro: int, micro: int, repeats
         raise UserError(f"torch.distributed.pipelining's {schedule_name} schedule hangs on gloo before torch "
                         f"{'.'.join(map(str, MIN_1F1B_TORCH))} (this is {torch.__version__.split('+')[0]}): use gpipe "
                         f"or a newer torch")
-    p, s = ctx.world_size, ctx.rank
+    p, s, device = ctx.world_size, ctx.rank, ctx.device
     batch = n_micro * micro
-    model = build_model(cfg)
+    model = build_model(cfg).to(device)
     start, end = stage_bounds(cfg.n_layers, p)[s]
     module = GPTStage(model, start, end)
     torch.manual_seed(0)
-    tokens = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len))
-    example = tokens[:micro] if s == 0 else torch.zeros(micro, cfg.seq_len, cfg.d_model)
+    tokens = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len)).to(device)
+    example = tokens[:micro] if s == 0 else torch.zeros(micro, cfg.seq_len, cfg.d_model, device=device)
     shapes = {}
     if inspect.signature(PipelineStage.__init__).parameters["input_args"].default is inspect.Parameter.empty:
         # an older torch infers shapes at construction by running the stage on empty tensors, which an
         # embedding cannot take: give it the output shape too, so that it runs nothing
         width = cfg.vocab_size if s == p - 1 else cfg.d_model
-        shapes = {"input_args": (example,), "output_args": (torch.zeros(micro, cfg.seq_len, width),)}
-    stage = PipelineStage(module, s, p, torch.device("cpu"), group=dist.group.WORLD, **shapes)
+        shapes = {"input_args": (example,), "output_args": (torch.zeros(micro, cfg.seq_len, width, device=device),)}
+    stage = PipelineStage(module, s, p, device, group=dist.group.WORLD, **shapes)
     timeline: list[dict] = []
-    stage.forward_one_chunk = _timed(timeline, "F", stage.forward_one_chunk)
-    stage.backward_one_chunk = _timed(timeline, "B", stage.backward_one_chunk)
+    stage.forward_one_chunk = _timed(timeline, "F", stage.forward_one_chunk, device)
+    stage.backward_one_chunk = _timed(timeline, "B", stage.backward_one_chunk, device)
     cls = ScheduleGPipe if schedule_name == "gpipe" else Schedule1F1B
     options = {"scale_grads": False} if "scale_grads" in inspect.signature(cls.__init__).parameters else {}
     pipe = cls(stage, n_micro, loss_fn=lambda out, target: loss_fn(out, target) / n_micro, **options)
     for _ in range(repeats):
         timeline.clear()
         module.zero_grad(set_to_none=True)
-        dist.barrier()
+        dist.barrier(**({"device_ids": [device.index]} if device.type == "cuda" else {}))
         if s == 0:
             pipe.step(tokens)
         elif s == p - 1:
             pipe.step(target=tokens)
         else:
             pipe.step()
-    whole = build_model(cfg)
+    whole = build_model(cfg).to(device)
     loss_fn(whole(tokens), tokens).backward()
     names = {id(q): n for n, q in model.named_parameters()}
     reference = dict(whole.named_parameters())
     grad_diff = max(float((q.grad - reference[names[id(q)]].grad).abs().max()) for q in module.parameters())
-    probe = example if s == 0 else torch.randn(micro, cfg.seq_len, cfg.d_model, requires_grad=True)
+    probe = example if s == 0 else torch.randn(micro, cfg.seq_len, cfg.d_model, device=device, requires_grad=True)
     return {"stage": s, "blocks": [start, end], "grad_diff": grad_diff, "timeline": timeline,
             "activation_bytes_per_micro": activation_bytes(module, probe)}
 

@@ -7,9 +7,15 @@ micro-batches are the pipeline's m micro-batches: raise ``--grad-accum`` to shri
 (P - 1) / (m + P - 1).
 
 The executor runs the schedule that our own generator makes (:func:`~ddpkit.parallel.pipeline.one_f_one_b`):
-this stage's actions in order, sends posted without waiting (``isend``), receives waited for. The
-schedule's dependencies are acyclic (:func:`~ddpkit.parallel.pipeline.simulate` checks it), so no rank
-waits for a message that its peer will never send.
+this stage's actions in order. Its messages follow :func:`exchange_plan`: before each action, the send
+of what the previous action produced and the receive the action needs are posted **together**
+(``batch_isend_irecv``), as torch's own pipelining does. On NCCL a send does not complete until its
+receive is posted, and a rank's operations run in the order they were issued; posted one at a time,
+stage 0 of a 1F1B schedule issues S(a0) S(a1) R(g0) while stage 1 issues R(a0) S(g0) R(a1), and once an
+activation is larger than NCCL's buffers both wait forever: S(a1) for R(a1), which is queued behind
+S(g0), which waits for R(g0), which is queued behind S(a1). ``rendezvous.py`` replays every rank's
+recorded messages under that rule and proves the batched plan free of such cycles, for every schedule
+and layout the kit runs.
 
 Where a stage's step differs from the whole model's:
 
@@ -22,7 +28,8 @@ Where a stage's step differs from the whole model's:
   over its own dp group, divided by dp first as DDP does (with dp = 2 the sum is bitwise DDP's);
 * the clip norm is the whole model's: squared norms summed over the stages (and tp shards);
 * state goes in and out in the unsplit model's layout, keyed by its parameter names, so a checkpoint
-  written under one layout (pp, tp, dp) resumes under any other, plain DDP included.
+  written under one layout (pp, tp, dp) resumes under any other, plain DDP included; each stage writes
+  and reads only its own parameters (``held_state.py``).
 
 Every rank builds the whole model (from the seed, so identical everywhere) and then keeps only its
 stage's weights: the other layers move to the ``meta`` device (shapes, no storage), so parameter,
@@ -33,12 +40,13 @@ Composes with tensor parallelism: each stage's blocks are split over the tp grou
 each tp rank exchanges activations with the same tp rank of the neighbouring stages (each sends its
 full copy: simple, and the messages are small next to the all-reduces inside a block).
 
-Communication reported (``comm_s``, ``comm_bytes``): the receives, whose wait is the pipeline's bubble
-as this rank sees it, and the data-parallel all-reduce.
+Communication reported (``comm_s``, ``comm_bytes``): the message exchanges (their wait is the pipeline's
+bubble as this rank sees it; bytes received), and the data-parallel all-reduce.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -48,17 +56,57 @@ import torch.nn as nn
 from ddpkit.metrics import CommTimer
 from ddpkit.models import loss_fn
 from ddpkit.parallel.base import Strategy
-from ddpkit.parallel.pipeline import GPTStage, schedule, stage_bounds
-from ddpkit.parallel.zero import MOMENTS, _ReplicatedStateMixin
+from ddpkit.parallel.chunks import adam_state
+from ddpkit.parallel.held_state import MOMENTS, HeldState, param_groups
+from ddpkit.parallel.pipeline import Action, GPTStage, schedule, stage_bounds
 
 ACTIVATION_DTYPE = torch.float32  # what travels between stages (a block's residual stream is fp32 under autocast too)
 
 
-class PipelineStrategy(_ReplicatedStateMixin, Strategy):
+@dataclass(frozen=True)
+class Message:
+    """One point-to-point message of a stage: ``send`` or ``recv`` of micro-batch ``micro``'s ``activation``
+    (forward) or ``grad`` (backward), with the neighbouring stage ``peer``."""
+
+    kind: str
+    what: str
+    micro: int
+    peer: int
+
+
+def exchange_plan(order: list[Action], stage: int, p: int) -> list[list[Message]]:
+    """The message batches of ``stage`` running ``order``: batch k is posted before action k (and the
+    last one after the final action) and holds the send of what action k-1 produced and the receive that
+    action k needs, so that the two progress together."""
+    def needs(a: Action) -> list[Message]:
+        if a.kind == "F" and stage > 0:
+            return [Message("recv", "activation", a.micro, stage - 1)]
+        if a.kind == "B" and stage < p - 1:
+            return [Message("recv", "grad", a.micro, stage + 1)]
+        return []
+
+    def makes(a: Action) -> list[Message]:
+        if a.kind == "F" and stage < p - 1:
+            return [Message("send", "activation", a.micro, stage + 1)]
+        if a.kind == "B" and stage > 0:
+            return [Message("send", "grad", a.micro, stage - 1)]
+        return []
+
+    batches, previous = [], []
+    for a in order:
+        batches.append(previous + needs(a))
+        previous = makes(a)
+    return batches + [previous]
+
+
+class PipelineStrategy(HeldState, Strategy):
     """One stage of the GPT per rank, micro-batches scheduled 1F1B, gradients averaged over dp (see the module docstring)."""
 
     name = "ddp"
     schedule_name = "1f1b"
+    batch_messages = True
+    """Post each batch of :func:`exchange_plan` together. False posts its messages one at a time (each
+    receive waited for, each send not), the way that deadlocks on NCCL: kept to show that it does."""
 
     # ------------------------------------------------------------------ building
 
@@ -79,10 +127,18 @@ class PipelineStrategy(_ReplicatedStateMixin, Strategy):
         for part in (model.tok_emb, model.pos_emb, *model.blocks, model.ln_f, model.lm_head):
             if id(part) not in held:
                 part.to("meta")  # another stage's: shapes stay (and names), storage goes
+        # one operation of every rank of the pipeline group first: NCCL requires it before a batch of
+        # point-to-point operations that involves only some of them
+        dist.all_reduce(torch.zeros(1, device=ctx.device), group=ctx.pp_group)
         return self.stage
 
     def build_optimizer(self, model: nn.Module, lr: float, weight_decay: float) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.stage.parameters(), lr=lr, weight_decay=weight_decay)
+        self.optimizer = torch.optim.AdamW(self.stage.parameters(), lr=lr, weight_decay=weight_decay)
+        return self.optimizer
+
+    @property
+    def overflow_group(self):
+        return self.ctx.world_group  # stages (and tp shards) hold different gradients
 
     def comm_timer(self, model: nn.Module) -> CommTimer:
         return self.timer
@@ -103,9 +159,34 @@ class PipelineStrategy(_ReplicatedStateMixin, Strategy):
             dist.recv(buffer, src=self.ctx.stage_rank(stage), group=self.ctx.pp_group)
         return buffer
 
-    def _send(self, tensor: torch.Tensor, stage: int, pending: list) -> None:
-        message = tensor.detach().to(ACTIVATION_DTYPE).contiguous()
-        pending.append((dist.isend(message, dst=self.ctx.stage_rank(stage), group=self.ctx.pp_group), message))
+    def _exchange(self, batch: list[Message], outgoing: dict, shape: tuple[int, ...], pending: list) -> dict:
+        """Post one batch of messages: ``outgoing`` holds what to send by (what, micro); returns what was
+        received, by (what, micro). Batched, every operation has completed on return; one at a time
+        (:attr:`batch_messages` False), sends are only waited for at the end of the step (``pending``)."""
+        ops, received = [], {}
+        for message in batch:
+            peer = self.ctx.stage_rank(message.peer)
+            if message.kind == "send":
+                tensor = outgoing.pop((message.what, message.micro)).detach().to(ACTIVATION_DTYPE).contiguous()
+                ops.append(dist.P2POp(dist.isend, tensor, peer, group=self.ctx.pp_group))
+            else:
+                buffer = torch.empty(shape, dtype=ACTIVATION_DTYPE, device=self.ctx.device)
+                received[(message.what, message.micro)] = buffer
+                ops.append(dist.P2POp(dist.irecv, buffer, peer, group=self.ctx.pp_group))
+        if not ops:
+            return received
+        nbytes = sum(b.numel() * b.element_size() for b in received.values())
+        with self.timer.timed(nbytes):
+            if self.batch_messages:
+                for work in dist.batch_isend_irecv(ops):
+                    work.wait()
+            else:
+                for op in ops:
+                    if op.op is dist.isend:
+                        pending.append((dist.isend(op.tensor, op.peer, group=op.group), op.tensor))
+                    else:
+                        dist.recv(op.tensor, op.peer, group=op.group)
+        return received
 
     def _activation_shape(self, tokens: torch.Tensor) -> tuple[int, int, int]:
         return (*tokens.shape, self.whole.tok_emb.embedding_dim)  # (B, T) -> (B, T, C)
@@ -117,30 +198,35 @@ class PipelineStrategy(_ReplicatedStateMixin, Strategy):
         and average the gradients. ``run`` is the step's :class:`~ddpkit.step.MicroStep`: its parts (to
         device, autocast, loss, backward, record) are used one by one."""
         s, p = self.ctx.pp_rank, self.ctx.dims.pp
-        inputs, outputs, losses, sums, pending = {}, {}, {}, {}, []
-        for action in schedule(self.schedule_name, p, len(micro_batches))[s]:
+        order = schedule(self.schedule_name, p, len(micro_batches))[s]
+        plan = exchange_plan(order, s, p)
+        shape = self._activation_shape(micro_batches[0]["inputs"])  # every message is one (B, T, C)
+        inputs, outputs, losses, sums, outgoing, pending = {}, {}, {}, {}, {}, []
+        if not self._last:  # fp16: the scaler takes its first scale when it first scales, and only the last
+            run.scaler.scale(torch.zeros((), device=self.ctx.device))  # stage scales a loss; the others unscale
+        for k, action in enumerate(order):
+            received = self._exchange(plan[k], outgoing, shape, pending)
             i = action.micro
             if action.kind == "F":
                 tokens, targets = run.to_device(micro_batches[i])
-                x = tokens if self._first else self._recv(self._activation_shape(tokens), s - 1).requires_grad_(True)
+                x = tokens if self._first else received[("activation", i)].requires_grad_(True)
                 with run.timer("forward_s"), run.autocast():
                     out = self.stage(x)
                     if self._last:
                         per_sample = loss_fn(out, targets, reduction="none")  # (B,)
                         losses[i], sums[i] = run.loss(per_sample), per_sample.detach().sum()
-                if not self._last:
-                    self._send(out, s + 1, pending)
                 inputs[i], outputs[i] = x, out
+                outgoing[("activation", i)] = out
             else:
                 x, out = inputs.pop(i), outputs.pop(i)
                 if self._last:
                     run.backward(losses.pop(i))
                 else:
-                    grad = self._recv(tuple(out.shape), s + 1)
                     with run.timer("backward_s"):
-                        out.backward(grad.to(out.dtype))
+                        out.backward(received[("grad", i)].to(out.dtype))
                 if not self._first:
-                    self._send(x.grad, s - 1, pending)
+                    outgoing[("grad", i)] = x.grad
+        self._exchange(plan[-1], outgoing, shape, pending)
         for work, _ in pending:  # the messages must have left before their buffers go
             work.wait()
         for i, loss_sum in enumerate(self._loss_sums(sums, len(micro_batches))):
@@ -201,54 +287,22 @@ class PipelineStrategy(_ReplicatedStateMixin, Strategy):
 
     # ------------------------------------------------------------------ state in and out, in the unsplit layout
 
-    def _full(self, per_param: dict) -> dict:
+    def _chunked(self, per_param: dict) -> dict:
         if self.ctx.dims.tp > 1:
-            from ddpkit.parallel.tensor import full_state
+            from ddpkit.parallel.tensor import chunked_state
 
-            return full_state(self.whole, per_param)
-        return {name: t.detach() for name, t in per_param.items()}
-
-    def _local(self, per_param: dict) -> dict:
-        if self.ctx.dims.tp > 1:
-            from ddpkit.parallel.tensor import local_state
-
-            return local_state(self.whole, per_param)
+            return chunked_state(self.whole, per_param)
         return per_param
 
-    def state_dicts(self, model, optimizer, rank0_only: bool = True) -> tuple[dict, dict]:
-        """The whole model's state, gathered from the stages (collective over the pipeline group)."""
-        params = self._full(dict(zip(self.names, self.stage.parameters())))
-        model_state = {name: t.cpu().clone() for name, t in params.items()}
-        saved = optimizer.state_dict()
-        state = {}
-        for index, entry in saved["state"].items():  # each moment has its parameter's layout
-            name = self.names[int(index)]
-            moments = {k: self._full({name: entry[k]})[name].cpu().clone() for k in MOMENTS if k in entry}
-            state[name] = {**entry, **moments}
-        parts = [None] * self.ctx.dims.pp
-        dist.all_gather_object(parts, (model_state, state), group=self.ctx.pp_group)
-        merged_model, merged_state = {}, {}
-        for stage_model, stage_state in parts:
-            merged_model.update(stage_model)
-            merged_state.update(stage_state)
-        groups = [{**g, "params": list(self.order)} for g in saved["param_groups"]]
-        return ({name: merged_model[name] for name in self.order},
-                {"state": {name: merged_state[name] for name in self.order if name in merged_state},
-                 "param_groups": groups})
+    def model_names(self, model) -> list[str]:
+        return list(self.order)
 
-    def load_state_dicts(self, model, optimizer, model_state: dict, optimizer_state: dict | None) -> None:
-        """Whole-model state dicts in (from any layout); this stage takes its own parameters' part."""
-        local = self._local({name: model_state[name] for name in self.names})
-        with torch.no_grad():
-            for name, q in zip(self.names, self.stage.parameters()):
-                q.copy_(local[name])
-        if optimizer is None or optimizer_state is None:
-            return
-        state = {}
-        for index, name in enumerate(self.names):
-            if name in optimizer_state["state"]:
-                entry = optimizer_state["state"][name]
-                moments = {k: self._local({name: entry[k]})[name].clone() for k in MOMENTS if k in entry}
-                state[index] = {**entry, **moments}
-        groups = [{**g, "params": list(range(len(self.names)))} for g in optimizer_state["param_groups"]]
-        optimizer.load_state_dict({"state": state, "param_groups": groups})
+    def held_state(self, model, optimizer) -> tuple[dict, dict]:
+        """This stage's parameters only (each tp slice as its chunks), keyed by the whole model's names."""
+        params = list(self.stage.parameters())
+        model_state = self._chunked({name: q.detach() for name, q in zip(self.names, params)})
+        if optimizer is None:
+            return model_state, {}
+        state = {name: {k: (self._chunked({name: v})[name] if k in MOMENTS else v) for k, v in entry.items()}
+                 for name, entry in zip(self.names, adam_state(optimizer, params))}  # moments: their parameter's layout
+        return model_state, {"state": state, "param_groups": param_groups(optimizer, self.order)}

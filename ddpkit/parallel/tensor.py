@@ -34,10 +34,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ddpkit.models import TinyGPT
-from ddpkit.parallel.base import fqn_optimizer_state, index_optimizer_state
 from ddpkit.parallel.comm import all_gather_into_tensor
-from ddpkit.parallel.ddp import DDPStrategy, wrap_ddp
-from ddpkit.parallel.zero import _ReplicatedStateMixin
 
 CALLS: Counter = Counter()  # all-reduces issued by f and g, by direction: what notebook 12 counts
 
@@ -119,6 +116,24 @@ class TensorParallelLinear(nn.Module):
         per_rank = [g.chunk(self.blocks, dim) for g in gathered]
         return torch.cat([torch.cat([r[b] for r in per_rank], dim) for b in range(self.blocks)], dim)
 
+    def chunked(self, name: str, local: torch.Tensor):
+        """``local`` (this rank's slice of a parameter, or of its optimizer moment) as the chunks of the
+        unsplit tensor it covers: one block of rows or columns, or ``blocks`` of them (no copy)."""
+        from ddpkit.parallel.chunks import Chunked
+
+        dim = self._dim(name)
+        if dim is None:
+            return local  # replicated
+        shape = list(local.shape)
+        shape[dim] *= self.tp
+        block, part = shape[dim] // self.blocks, local.shape[dim] // self.blocks  # q, k, v; this rank's part of each
+        pieces = []
+        for b in range(self.blocks):
+            offsets = [0] * local.dim()
+            offsets[dim] = b * block + self.rank * part
+            pieces.append((tuple(offsets), local.narrow(dim, b * part, part)))
+        return Chunked(shape, pieces, local.dtype, local.device)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.style == "column":
             return F.linear(CopyToTP.apply(x, self.group), self.weight, self.bias)  # (..., out/tp)
@@ -192,6 +207,17 @@ def full_state(model: nn.Module, per_param: dict[str, torch.Tensor]) -> dict[str
     return out
 
 
+def chunked_state(model: nn.Module, per_param: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Tensors keyed by parameter name, in this rank's layout -> the same memory described as chunks of
+    the unsplit tensors (``chunks.py``): what a dcp checkpoint writes and fills, with no gather."""
+    split = split_modules(model)
+    out = {}
+    for name, tensor in per_param.items():
+        owner, _, leaf = name.rpartition(".")
+        out[name] = split[owner].chunked(leaf, tensor) if owner in split else tensor
+    return out
+
+
 def local_state(model: nn.Module, per_param: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Tensors keyed by parameter name, in the unsplit layout -> this rank's slices."""
     split = split_modules(model)
@@ -220,48 +246,6 @@ def grad_norm_squared(model: nn.Module, group) -> torch.Tensor:
     return sharded + replicated
 
 
-# --------------------------------------------------------------------------- the strategy: tp inside, DDP across
-
-class TensorParallelStrategy(_ReplicatedStateMixin, DDPStrategy):
-    """Each data-parallel replica is split over a tp group (:func:`parallelize`); DDP averages the
-    gradients across replicas over the dp group. State goes in and out in the unsplit layout, so a
-    checkpoint resumes on any tp degree, or none."""
-
-    name = "ddp"
-
-    def wrap(self, model: nn.Module) -> nn.Module:
-        self.raw = parallelize(model, self.ctx.tp_group)
-        return wrap_ddp(self.raw, self.ctx)
-
-    def clip_grad_norm_(self, model: nn.Module, max_norm: float) -> torch.Tensor:
-        total = grad_norm_squared(self.raw, self.ctx.tp_group).sqrt().float()
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for p in self.raw.parameters():
-            if p.grad is not None:
-                p.grad.mul_(coef.to(p.grad.device))
-        return total
-
-    def state_dicts(self, model, optimizer, rank0_only: bool = True) -> tuple[dict, dict]:
-        model_state = {k: v.cpu().clone() for k, v in full_state(self.raw, self.raw.state_dict()).items()}
-        optimizer_state = fqn_optimizer_state(optimizer.state_dict(), self.raw)
-        state = {}
-        for name, entry in optimizer_state["state"].items():  # each moment has its parameter's layout
-            moments = {k: full_state(self.raw, {name: entry[k]})[name].cpu().clone()
-                       for k in ("exp_avg", "exp_avg_sq") if k in entry}
-            state[name] = {**entry, **moments}
-        return model_state, {**optimizer_state, "state": state}
-
-    def load_state_dicts(self, model, optimizer, model_state: dict, optimizer_state: dict | None) -> None:
-        self.raw.load_state_dict(local_state(self.raw, model_state))
-        if optimizer is None or optimizer_state is None:
-            return
-        state = {}
-        for name, entry in optimizer_state["state"].items():
-            moments = {k: entry[k] for k in ("exp_avg", "exp_avg_sq") if k in entry}
-            state[name] = {**entry, **{k: local_state(self.raw, {name: v})[name].clone() for k, v in moments.items()}}
-        optimizer.load_state_dict(index_optimizer_state({**optimizer_state, "state": state}, self.raw))
-
-
 # --------------------------------------------------------------------------- checks a notebook and the tests run on real ranks
 
 def split_linear_demo(ctx, out_features: int = 6, in_features: int = 4) -> dict:
@@ -269,8 +253,8 @@ def split_linear_demo(ctx, out_features: int = 6, in_features: int = 4) -> dict:
     which rank holds which weight element, and the split layer's output and input gradient against the
     whole layer's."""
     torch.manual_seed(0)
-    full = nn.Linear(in_features, out_features)
-    x = torch.randn(3, in_features, requires_grad=True)
+    full = nn.Linear(in_features, out_features).to(ctx.device)
+    x = torch.randn(3, in_features).to(ctx.device).requires_grad_(True)
     full(x).sum().backward()
     out = {}
     for style in ("column", "row"):
@@ -296,11 +280,11 @@ def check_against_unsplit(ctx, cfg, batch: int = 4) -> dict:
     from ddpkit.models import build_model, loss_fn
 
     torch.manual_seed(1)
-    tokens = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len))
-    whole = build_model(cfg)
+    tokens = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len)).to(ctx.device)
+    whole = build_model(cfg).to(ctx.device)
     out_whole = whole(tokens)
     loss_fn(out_whole, tokens).backward()
-    split = parallelize(build_model(cfg), dist.group.WORLD)
+    split = parallelize(build_model(cfg).to(ctx.device), dist.group.WORLD)
     CALLS.clear()
     out_split = split(tokens)
     forward_calls = CALLS["forward"]
@@ -328,12 +312,12 @@ def check_against_dtensor(ctx, cfg, batch: int = 4) -> dict:
     from ddpkit.models import build_model, loss_fn
 
     torch.manual_seed(1)
-    tokens = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len))
-    ours = parallelize(build_model(cfg), dist.group.WORLD, parts=("mlp",))
+    tokens = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len)).to(ctx.device)
+    ours = parallelize(build_model(cfg).to(ctx.device), dist.group.WORLD, parts=("mlp",))
     out_ours = ours(tokens)
     loss_fn(out_ours, tokens).backward()
-    theirs = build_model(cfg)
-    mesh = init_device_mesh(out_ours.device.type, (ctx.world_size,))
+    theirs = build_model(cfg).to(ctx.device)
+    mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
     for block in theirs.blocks:  # each layer directly: older torch resolves dotted plan keys differently
         parallelize_module(block.mlp[0], mesh, ColwiseParallel())
         parallelize_module(block.mlp[2], mesh, RowwiseParallel())

@@ -16,8 +16,10 @@ numbers in the same order as DDP's, so the parameters stay **bitwise** equal to 
 
 :class:`ZeroAdamW` is that optimizer, written from scratch, with a torch optimizer's ``state_dict``
 contract: ``state_dict()`` returns the whole AdamW state (gathered, keyed by parameter index, exactly
-what ``torch.optim.AdamW`` would return) and ``load_state_dict`` takes one and keeps this rank's shard,
-so checkpoints move freely between DDP and ZeRO. :class:`TorchZeroStrategy` runs PyTorch's own
+what ``torch.optim.AdamW`` would return) and ``load_state_dict`` takes one and keeps this rank's shard.
+Checkpoints use neither: :meth:`ZeroAdamW.held_state` names the chunks of each moment that this rank's
+flat range covers, so a ``dcp`` checkpoint holds each rank's own shard, written by that rank alone, and
+still loads into DDP or FSDP2 (``held_state.py``). :class:`TorchZeroStrategy` runs PyTorch's own
 ``ZeroRedundancyOptimizer`` (under DDP) for comparison: it shards whole parameters, not a flat vector.
 """
 
@@ -31,16 +33,11 @@ import torch
 import torch.distributed as dist
 
 from ddpkit.metrics import CommTimer
-from ddpkit.parallel.base import (
-    Strategy,
-    fqn_optimizer_state,
-    index_optimizer_state,
-    tensor_bytes,
-)
+from ddpkit.parallel.base import Strategy, _param_names, tensor_bytes
+from ddpkit.parallel.chunks import adam_state, flat_chunked, set_hyperparameters
 from ddpkit.parallel.comm import all_gather_into_tensor, reduce_scatter_tensor
 from ddpkit.parallel.ddp import DDPStrategy
-
-MOMENTS = ("exp_avg", "exp_avg_sq")
+from ddpkit.parallel.held_state import MOMENTS, HeldState, param_groups
 
 
 class ZeroAdamW(torch.optim.Optimizer):
@@ -176,33 +173,44 @@ class ZeroAdamW(torch.optim.Optimizer):
             self.master.copy_(self._flat_params()[self.lo:self.hi])
         self._reduced = False
 
+    # ---------------------------------------------------------------- the state as this rank holds it
+
+    def held_state(self, names: list[str]) -> dict:
+        """This rank's AdamW state keyed by parameter name (``names``, in ``params`` order): the step
+        counter, and each moment as the chunks of it that lie in ``[lo, hi)`` (views of the shard, no copy;
+        created as a fresh AdamW would if no step has run)."""
+        inner = adam_state(self.inner, [self.master])[0]
+        state, offset = {}, 0
+        for name, p in zip(names, self.params):
+            start = max(offset, self.lo)
+            stop = max(start, min(offset + p.numel(), self.hi))  # start == stop: nothing of p here
+            moments = {k: flat_chunked(inner[k][start - self.lo:stop - self.lo], tuple(p.shape), start - offset)
+                       for k in MOMENTS}  # empty where the parameter lies outside this rank's range
+            state[name] = {"step": inner["step"], **moments}
+            offset += p.numel()
+        return state
+
+    def param_groups_by_name(self, names: list[str]) -> list[dict]:
+        """The one parameter group as ``torch.optim.AdamW`` would save it, with parameter names."""
+        outer = {k: v for k, v in self.param_groups[0].items() if k != "params"}  # where a schedule sets lr
+        return [{**param_groups(self.inner, names)[0], **outer, "params": list(names)}]
+
+    @torch.no_grad()
+    def refresh_master(self) -> None:
+        """The master shard from the model's parameters (after they were loaded), parameter by parameter:
+        the flat vector of all of them is never built."""
+        offset = 0
+        for p in self.params:
+            start, stop = max(offset, self.lo), min(offset + p.numel(), self.hi)
+            if start < stop:
+                self.master[start - self.lo:stop - self.lo].copy_(p.detach().reshape(-1)[start - offset:stop - offset])
+            offset += p.numel()
+        self._reduced = False
+
     def state_bytes(self) -> int:
         """Bytes of optimizer state on this rank: the master shard and its two moments."""
         moments = self.inner.state.get(self.master, {})
         return tensor_bytes(self.master) + sum(tensor_bytes(moments[k]) for k in MOMENTS if k in moments)
-
-
-class _ReplicatedStateMixin:
-    """DCP state of a ZeRO strategy: the whole (gathered) state on every rank, which DCP de-duplicates
-    when it writes; loading fills whole-shaped templates, then keeps this rank's shard."""
-
-    def sharded_state_dicts(self, model, optimizer) -> tuple[dict, dict]:
-        model_state, optimizer_state = self.state_dicts(model, optimizer, rank0_only=False)
-        if not optimizer_state["state"]:  # no step yet: whole-shaped zeros for a load to fill
-            zeros = {name: {"step": torch.zeros(()), **{k: torch.zeros_like(model_state[name]) for k in MOMENTS}}
-                     for name in optimizer_state["param_groups"][0]["params"]}
-            optimizer_state = {**optimizer_state, "state": zeros}
-        return model_state, optimizer_state
-
-    def load_state_dicts(self, model, optimizer, model_state: dict, optimizer_state: dict | None) -> None:
-        """Whole state dicts in: the model's, then the optimizer's (which keeps this rank's part)."""
-        raw = _unwrap(model)
-        raw.load_state_dict(model_state)
-        if optimizer is not None and optimizer_state is not None:
-            optimizer.load_state_dict(index_optimizer_state(optimizer_state, raw))
-
-    def load_sharded_state_dicts(self, model, optimizer, model_state, optimizer_state) -> None:
-        self.load_state_dicts(model, optimizer, model_state, optimizer_state)
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -210,8 +218,12 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return model.module if hasattr(model, "module") else model
 
 
-class ZeroStrategy(_ReplicatedStateMixin, Strategy):
-    """ZeRO-1 from scratch: no DDP; the optimizer reduce-scatters gradients and all-gathers parameters."""
+class ZeroStrategy(HeldState, Strategy):
+    """ZeRO-1 from scratch: no DDP; the optimizer reduce-scatters gradients and all-gathers parameters.
+
+    Its state as held: the whole model (every rank keeps it), and for every parameter its moments'
+    chunks that fall in this rank's flat range ``[lo, hi)``: a 2-D weight's range may start and end
+    mid-row, so it is up to three rectangles (:func:`~ddpkit.parallel.chunks.flat_chunked`)."""
 
     name = "zero1"
 
@@ -230,18 +242,40 @@ class ZeroStrategy(_ReplicatedStateMixin, Strategy):
     def comm_timer(self, model: torch.nn.Module) -> CommTimer:
         return self.timer
 
-    def state_dicts(self, model, optimizer, rank0_only: bool = True) -> tuple[dict, dict]:
-        model_state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
-        optimizer_state = fqn_optimizer_state(optimizer.state_dict(), model)  # collective
-        return model_state, optimizer_state
+    @property
+    def overflow_group(self):
+        return self.ctx.dp_group  # each rank unscales its own, unreduced gradients
+
+    def model_names(self, model) -> list[str]:
+        return list(model.state_dict())
+
+    def held_state(self, model, optimizer) -> tuple[dict, dict]:
+        model_state = dict(model.state_dict())  # detached views of the live parameters
+        if optimizer is None:
+            return model_state, {}
+        names = _param_names(model)
+        return model_state, {"state": optimizer.held_state(names), "param_groups": optimizer.param_groups_by_name(names)}
+
+    def after_load(self, model, optimizer, groups) -> None:
+        if optimizer is not None and groups is None:  # weights only: AdamW starts afresh
+            optimizer.inner.state.clear()
+        elif optimizer is not None:
+            for target in (optimizer, optimizer.inner):
+                set_hyperparameters(target, groups)
+        self.optimizer.refresh_master()
 
     def optimizer_bytes(self, optimizer) -> int:
         return optimizer.state_bytes()
 
 
-class TorchZeroStrategy(_ReplicatedStateMixin, DDPStrategy):
+class TorchZeroStrategy(HeldState, DDPStrategy):
     """PyTorch's ``ZeroRedundancyOptimizer`` (AdamW inside) under DDP: DDP all-reduces the gradients,
-    each rank updates the whole parameters assigned to it, then broadcasts them."""
+    each rank updates the whole parameters assigned to it, then broadcasts them.
+
+    Its state as held: the whole model, and the AdamW state of the parameters this rank updates (its
+    local optimizer's, ``optimizer.optim``). ``ZeroRedundancyOptimizer.consolidate_state_dict`` is not
+    used: it broadcasts every rank's partition to every rank of the group (its ``to`` is a rank *in the
+    group*), where a ``full`` save needs the state on one rank only."""
 
     name = "zero1-torch"
 
@@ -249,26 +283,32 @@ class TorchZeroStrategy(_ReplicatedStateMixin, DDPStrategy):
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         group = self.ctx.dp_group if self.ctx and self.ctx.is_distributed else None
-        return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, process_group=group,
-                                       lr=lr, weight_decay=weight_decay)
+        self.optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW,
+                                                 process_group=group, lr=lr, weight_decay=weight_decay)
+        return self.optimizer
 
-    def state_dicts(self, model, optimizer, rank0_only: bool = True) -> tuple[dict, dict]:
+    def model_names(self, model) -> list[str]:
+        return list(_unwrap(model).state_dict())
+
+    def held_state(self, model, optimizer) -> tuple[dict, dict]:
         raw = _unwrap(model)
-        model_state = {k: v.detach().cpu().clone() for k, v in raw.state_dict().items()}
-        group = self.ctx.dp_group if self.ctx and self.ctx.is_distributed else None
-        if group is None:
-            return model_state, fqn_optimizer_state(_plain(optimizer.optim.state_dict()), raw)
-        optimizer.consolidate_state_dict(to=dist.get_global_rank(group, 0))  # collective; rank 0 receives
-        full = [_plain(optimizer.state_dict()) if dist.get_rank(group) == 0 else None]
-        if not rank0_only:
-            dist.broadcast_object_list(full, src=dist.get_global_rank(group, 0), group=group)
-        return model_state, fqn_optimizer_state(full[0], raw) if full[0] is not None else {}
+        model_state = dict(raw.state_dict())
+        if optimizer is None:
+            return model_state, {}
+        name_of = {id(p): name for name, p in raw.named_parameters()}
+        local = optimizer.optim.param_groups[0]["params"]  # the parameters this rank updates
+        entries = adam_state(optimizer.optim, local)
+        state = {name_of[id(p)]: entry for p, entry in zip(local, entries)}
+        return model_state, {"state": state, "param_groups": param_groups(optimizer.optim, _param_names(raw))}
+
+    def after_load(self, model, optimizer, groups) -> None:
+        if optimizer is None:
+            return
+        if groups is None:
+            optimizer.optim.state.clear()
+            return
+        for target in (optimizer, optimizer.optim):
+            set_hyperparameters(target, groups)
 
     def optimizer_bytes(self, optimizer) -> int:
         return super().optimizer_bytes(optimizer.optim)  # the local AdamW inside: this rank's parameters only
-
-
-def _plain(state_dict: dict) -> dict:
-    """ZeroRedundancyOptimizer's consolidated state, reduced to what torch.optim.AdamW's holds."""
-    groups = [{k: v for k, v in g.items() if k != "initial_lr"} for g in state_dict["param_groups"]]
-    return {"state": state_dict["state"], "param_groups": groups}
