@@ -15,7 +15,8 @@ What it does that ``torch.multiprocessing.start_processes`` leaves to you:
   spawned whenever the function allows it;
 * **a clean parent**: refuses a process that already belongs to a process group (forked ranks would
   inherit it) or whose environment already says it is a rank (``RANK``/``WORLD_SIZE``), with the fix;
-* **isolation**: a fresh free port per launch; rank variables are set only inside the ranks; the
+* **isolation**: a fresh port per launch, already listening before any rank starts (so no rank waits
+  out the store's connect back-off, see ``rank.py``); rank variables are set only inside the ranks; the
   one variable set around process start (``OMP_NUM_THREADS``) is restored; nothing is left running;
 * **failures**: one :class:`~ddpkit.failures.LaunchError` naming the root-cause rank, its exception and
   traceback, with knock-on failures listed apart; all other ranks are stopped (see ``monitor.py``);
@@ -59,7 +60,7 @@ from ddpkit.config import check_timeout
 from ddpkit.failures import LaunchError
 from ddpkit.files import write_atomic
 from ddpkit.monitor import Monitor
-from ddpkit.rank import FORK_WARNING, dumps_cpu, rank_main
+from ddpkit.rank import FORK_WARNING, dumps_cpu, rank_main, store_takes_listening_socket
 
 OUTPUT_MODES = ("all", "rank0", "none")
 MAX_LOCAL_RANKS = 64  # more processes than this on one machine is a typo, not a plan
@@ -102,7 +103,9 @@ def launch(fn: Callable[..., Any], *args: Any, world_size: int | None = None, ba
         _import_what_ranks_need()
 
     run_dir = _make_run_dir(log_dir)
-    spec = dict(world_size=world_size, backend=resolved_backend, port=free_port(), timeout=timeout,
+    listener = rendezvous_listener()
+    port = listener.getsockname()[1] if listener is not None else free_port()
+    spec = dict(world_size=world_size, backend=resolved_backend, port=port, timeout=timeout,
                 run_dir=run_dir, forked=method == "fork",
                 progress_file=os.path.join(run_dir, "progress.jsonl") if progress_mode != "off" else None)
     display = progress_view.Display(os.path.join(run_dir, "progress.jsonl"), progress_mode, world_size)
@@ -117,11 +120,15 @@ def launch(fn: Callable[..., Any], *args: Any, world_size: int | None = None, ba
             warnings.filterwarnings("ignore", message=FORK_WARNING, category=DeprecationWarning)
             for rank in range(world_size):
                 proc = context.Process(target=rank_main, name=f"ddpkit-rank{rank}",
-                                       args=(fn, args, kwargs, rank, spec))
+                                       args=(fn, args, kwargs, rank, spec, listener))
                 proc.start()
                 procs.append(proc)
+        if listener is not None:
+            listener.close()  # every rank holds its own copy now; rank 0 serves on it
         failures = monitor.watch(procs)
     finally:
+        if listener is not None:
+            listener.close()
         _stop(procs)
         monitor.close()
     if failures:
@@ -186,6 +193,18 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def rendezvous_listener() -> socket.socket | None:
+    """A socket on 127.0.0.1 that listens before any rank starts, for rank 0's rendezvous store (see
+    :func:`ddpkit.rank.rendezvous_store`: a client never finds the port closed, so never backs off);
+    None when this torch's store cannot take a listening socket over."""
+    if not store_takes_listening_socket():
+        return None
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(MAX_LOCAL_RANKS)
+    return sock
 
 
 def _import_what_ranks_need() -> None:

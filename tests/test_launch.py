@@ -2,6 +2,7 @@
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -394,3 +395,42 @@ def test_forking_from_a_multi_threaded_process_does_not_warn():
             assert launch(rank_sum, 1, world_size=2, output="none")[0]["sum"].item() == 3.0
     finally:
         stop.set()
+
+
+def hold_rank0_until_a_peer_probed(original, flag):
+    """Wrap init_process_group: rank 1 tries the rendezvous port before rank 0 has built its store
+    (rank 0 waits for that attempt), and writes down whether the connection was accepted or refused."""
+    def init(ctx, *args, **kwargs):
+        if ctx.rank == 0:
+            deadline = time.monotonic() + 20
+            while not os.path.exists(flag) and time.monotonic() < deadline:
+                time.sleep(0.01)
+        else:
+            try:
+                socket.create_connection(("127.0.0.1", int(os.environ["MASTER_PORT"])), timeout=10).close()
+                outcome = "accepted"
+            except ConnectionRefusedError:
+                outcome = "refused"
+            with open(flag + ".tmp", "w") as handle:
+                handle.write(outcome)
+            os.replace(flag + ".tmp", flag)
+        return original(ctx, *args, **kwargs)
+    return init
+
+
+def first_probe(monkeypatch, tmp_path, name) -> str:
+    flag = str(tmp_path / name)
+    monkeypatch.setattr(runtime, "init_process_group", hold_rank0_until_a_peer_probed(runtime.init_process_group, flag))
+    assert launch(rank_sum, 0, world_size=2, output="none")[1]["sum"].item() == 1.0
+    monkeypatch.undo()
+    with open(flag) as handle:
+        return handle.read()
+
+
+def test_a_peer_that_starts_before_rank_0_is_never_refused(monkeypatch, tmp_path):
+    """A refused connection costs a client 0.25-0.75 s of c10d's back-off: the port must already listen."""
+    assert first_probe(monkeypatch, tmp_path, "listening") == "accepted"
+    # Negative control: rank 0 opening the port itself (env://), the same early peer is refused.
+    monkeypatch.setattr(launcher, "store_takes_listening_socket", lambda: False)
+    assert first_probe(monkeypatch, tmp_path, "env") == "refused"
+    assert not children()
