@@ -20,6 +20,9 @@ What it does that ``torch.multiprocessing.start_processes`` leaves to you:
   one variable set around process start (``OMP_NUM_THREADS``) is restored; nothing is left running;
 * **failures**: one :class:`~ddpkit.failures.LaunchError` naming the root-cause rank, its exception and
   traceback, with knock-on failures listed apart; all other ranks are stopped (see ``monitor.py``);
+* **interrupts**: Ctrl-C, or Jupyter's stop button, stops every rank and raises one line,
+  ``interrupted: 4 ranks stopped at step 70`` (a ``KeyboardInterrupt``, see ``monitor.Interrupted``),
+  instead of each rank's relayed traceback and the monitor's own;
 * **output**: each rank's stdout/stderr go to ``rank{N}.log`` (file descriptors 1 and 2, so C++
   messages too) and are relayed to the caller as ``[rank N] ...`` lines, or rank 0's only;
 * **speed**: modules every training rank imports on first use (``torch._dynamo``, which the first
@@ -39,14 +42,11 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import json
 import os
 import pickle
-import re
 import shutil
 import socket
 import sys
-import tempfile
 import time
 import warnings
 from typing import Any, Callable
@@ -61,13 +61,11 @@ from ddpkit.failures import LaunchError
 from ddpkit.files import write_atomic
 from ddpkit.monitor import Monitor
 from ddpkit.rank import FORK_WARNING, dumps_cpu, rank_main, store_takes_listening_socket
+from ddpkit.run_folder import KEEP_FAILED_LOGS, LOG_PREFIX, make_run_dir, prune_failed_logs, read_result  # noqa: F401
 
 OUTPUT_MODES = ("all", "rank0", "none")
 MAX_LOCAL_RANKS = 64  # more processes than this on one machine is a typo, not a plan
 STOP_GRACE_S = 1.0  # SIGTERM, then SIGKILL after this long
-KEEP_FAILED_LOGS = 10  # log folders of failed launches kept in the temp folder, newest first
-LOG_PREFIX = "ddpkit-launch-"
-_OWN_FILE = re.compile(r"^(rank\d+\.(log|result|error\.json)|progress\.jsonl)$")
 
 
 def launch(fn: Callable[..., Any], *args: Any, world_size: int | None = None, backend: str = "auto",
@@ -102,7 +100,7 @@ def launch(fn: Callable[..., Any], *args: Any, world_size: int | None = None, ba
     if method == "fork":
         _import_what_ranks_need()
 
-    run_dir = _make_run_dir(log_dir)
+    run_dir = make_run_dir(log_dir)
     listener = rendezvous_listener()
     port = listener.getsockname()[1] if listener is not None else free_port()
     spec = dict(world_size=world_size, backend=resolved_backend, port=port, timeout=timeout,
@@ -114,6 +112,7 @@ def launch(fn: Callable[..., Any], *args: Any, world_size: int | None = None, ba
     context = mp.get_context(method)
     sys.stdout.flush()
     sys.stderr.flush()  # a forked child must not inherit (and print again) unflushed output
+    started, interrupted = time.monotonic(), None  # interrupted: how many ranks had started
     try:
         with _patched_env({"OMP_NUM_THREADS": str(runtime.threads_per_rank(method == "fork"))}), \
                 warnings.catch_warnings():
@@ -121,22 +120,29 @@ def launch(fn: Callable[..., Any], *args: Any, world_size: int | None = None, ba
             for rank in range(world_size):
                 proc = context.Process(target=rank_main, name=f"ddpkit-rank{rank}",
                                        args=(fn, args, kwargs, rank, spec, listener))
+                procs.append(proc)  # before start: an interrupt inside start() must not lose a child
                 proc.start()
-                procs.append(proc)
         if listener is not None:
             listener.close()  # every rank holds its own copy now; rank 0 serves on it
         failures = monitor.watch(procs)
+    except KeyboardInterrupt:  # the cell was interrupted (Ctrl-C, Jupyter's stop button)
+        interrupted = sum(proc.pid is not None for proc in procs)
     finally:
         if listener is not None:
             listener.close()
         _stop(procs)
-        monitor.close()
+        monitor.close(relay=interrupted is None)
+    if interrupted is not None:  # one line instead of the monitor's frames and each rank's relayed traceback
+        stopped = monitor.interrupted(interrupted, started)
+        if log_dir is None:
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise stopped
     if failures:
         if log_dir is None:  # kept for the error report; the oldest failed ones go
             write_atomic(os.path.join(run_dir, "FAILED"), b"")
-            _prune_failed_logs()
+            prune_failed_logs()
         raise LaunchError.from_failures(failures, log_dir=run_dir)
-    results = [_read_result(run_dir, rank) for rank in range(world_size)]
+    results = [read_result(run_dir, rank) for rank in range(world_size)]
     if log_dir is None:
         shutil.rmtree(run_dir, ignore_errors=True)
     return results
@@ -229,45 +235,6 @@ def _patched_env(values: dict[str, str]):
                 os.environ[key] = old
 
 
-def _make_run_dir(log_dir: str | None) -> str:
-    """The folder for this launch's logs and results; a given ``log_dir`` keeps everything but our old files."""
-    if log_dir is None:
-        _prune_failed_logs()
-        run_dir = tempfile.mkdtemp(prefix=LOG_PREFIX)
-        write_atomic(os.path.join(run_dir, "launcher.json"), json.dumps({"pid": os.getpid()}).encode())
-        return run_dir
-    run_dir = os.path.abspath(log_dir)
-    os.makedirs(run_dir, exist_ok=True)
-    for name in os.listdir(run_dir):  # a reused folder must not hand back an old result
-        if _OWN_FILE.match(name):
-            os.remove(os.path.join(run_dir, name))
-    return run_dir
-
-
-def _prune_failed_logs(keep: int = KEEP_FAILED_LOGS) -> None:
-    """Keep the newest ``keep`` log folders of ended launches (failed, or whose launcher died); drop the rest."""
-    root = tempfile.gettempdir()
-    ended = []
-    for name in os.listdir(root):
-        path = os.path.join(root, name)
-        if not name.startswith(LOG_PREFIX) or not os.path.isdir(path):
-            continue
-        if os.path.exists(os.path.join(path, "FAILED")) or not _launcher_alive(path):
-            with contextlib.suppress(OSError):
-                ended.append((os.path.getmtime(path), path))
-    for _, path in sorted(ended, reverse=True)[keep:]:
-        shutil.rmtree(path, ignore_errors=True)
-
-
-def _launcher_alive(run_dir: str) -> bool:
-    try:
-        with open(os.path.join(run_dir, "launcher.json")) as handle:
-            os.kill(int(json.load(handle)["pid"]), 0)
-    except (OSError, ValueError, KeyError, TypeError):
-        return False
-    return True
-
-
 def _run_as_external_rank(fn, args, kwargs, world_size, backend, timeout) -> list[Any]:
     """Under torchrun: we already are a rank. Run fn here and share every rank's result."""
     env_world = int(os.environ["WORLD_SIZE"])
@@ -291,21 +258,20 @@ def _run_as_external_rank(fn, args, kwargs, world_size, backend, timeout) -> lis
             runtime.destroy_process_group()
 
 
-def _read_result(run_dir: str, rank: int) -> Any:
-    # Written by our own child process a moment ago: trusted IPC, not a checkpoint from disk.
-    with open(os.path.join(run_dir, f"rank{rank}.result"), "rb") as handle:
-        return pickle.load(handle)
-
-
 def _stop(procs: list[Any]) -> None:
-    """Make sure no rank outlives the launch: SIGTERM, a grace period, then SIGKILL; reap all."""
-    for proc in procs:
-        if proc.is_alive():
-            proc.terminate()
-    end = time.monotonic() + STOP_GRACE_S
-    for proc in procs:
-        proc.join(max(0.0, end - time.monotonic()))
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
-        proc.close()
+    """Make sure no rank outlives the launch: SIGTERM, a grace period, then SIGKILL; reap all. A second
+    interrupt during the grace period only makes it SIGKILL at once."""
+    try:
+        for proc in procs:
+            if proc.is_alive():
+                proc.terminate()
+        end = time.monotonic() + STOP_GRACE_S
+        for proc in procs:
+            proc.join(max(0.0, end - time.monotonic()))
+    finally:
+        for proc in procs:
+            if proc.pid is not None:  # started
+                if proc.is_alive():
+                    proc.kill()
+                proc.join()
+            proc.close()
