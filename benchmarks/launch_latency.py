@@ -18,9 +18,10 @@ row, none may end in an abort.
 
 import contextlib
 import datetime
-import io
 import math
 import os
+import select
+import signal
 import statistics
 import subprocess
 import sys
@@ -50,12 +51,6 @@ def raw_barrier(rank, world_size, port):
     dist.barrier()
 
 
-def accelerate_barrier():
-    from accelerate import PartialState
-
-    PartialState().wait_for_everyone()
-
-
 def ddpkit_env_rendezvous(world_size: int) -> None:
     """ddpkit with rank 0 opening the port itself: what the launcher did before (see the docstring)."""
     saved = launcher.store_takes_listening_socket
@@ -66,22 +61,85 @@ def ddpkit_env_rendezvous(world_size: int) -> None:
         launcher.store_takes_listening_socket = saved
 
 
+ACCELERATE_WORKER = """
+import contextlib, io, os, sys, time
+from accelerate import PartialState, notebook_launcher
+from ddpkit.launch import free_port
+
+def barrier():
+    PartialState().wait_for_everyone()
+
+for line in sys.stdin:
+    started = time.perf_counter()
+    with contextlib.redirect_stdout(io.StringIO()):  # it prints a line per launch
+        notebook_launcher(barrier, num_processes=int(line), use_port=str(free_port()))
+    os.write(int(sys.argv[1]), f"{time.perf_counter() - started}\\n".encode())
+"""
+
+
+class AccelerateLauncher:
+    """``accelerate.notebook_launcher`` in an interpreter of its own, driven one launch at a time.
+
+    In-process, one of 160 launches on a loaded machine hung for good: a child forked by
+    ``notebook_launcher`` sat in a futex, single-threaded, while its peers waited out accelerate's
+    timeout (the fork-beside-threads hazard), and nothing bounds that wait. Here a launch that takes
+    longer than ``HANG_S`` is counted as hung, its process group killed, and a fresh worker started.
+    The worker measures each launch itself, so the timings compare like for like.
+    """
+
+    HANG_S = 60.0
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size, self.hung, self.proc = world_size, 0, None
+
+    def start(self) -> None:
+        read, write = os.pipe()
+        self.proc = subprocess.Popen([sys.executable, "-c", ACCELERATE_WORKER, str(write)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True,
+                                     pass_fds=(write,), start_new_session=True)
+        os.close(write)
+        self.results = os.fdopen(read)
+
+    def __call__(self) -> float | None:
+        if self.proc is None:
+            self.start()
+        self.proc.stdin.write(f"{self.world_size}\n")
+        self.proc.stdin.flush()
+        if select.select([self.results], [], [], self.HANG_S)[0]:
+            return float(self.results.readline())
+        self.hung += 1
+        self.close()
+        return None
+
+    def close(self) -> None:
+        if self.proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+            self.results.close()
+            self.proc = None
+
+
+def timed(run) -> float:
+    started = time.perf_counter()
+    run()
+    return time.perf_counter() - started
+
+
 def launchers(world_size: int) -> dict:
+    """Each way: a callable that makes one launch and returns how long it took (None: it hung)."""
     found = {
-        "ddpkit": lambda: launch(ddpkit_barrier, world_size=world_size, start_method="fork", output="none"),
-        "ddpkit_env_rendezvous": lambda: ddpkit_env_rendezvous(world_size),
-        "raw_start_processes": lambda: mp.start_processes(raw_barrier, args=(world_size, free_port()),
-                                                          nprocs=world_size, start_method="fork"),
+        "ddpkit": lambda: timed(lambda: launch(ddpkit_barrier, world_size=world_size, start_method="fork",
+                                               output="none")),
+        "ddpkit_env_rendezvous": lambda: timed(lambda: ddpkit_env_rendezvous(world_size)),
+        "raw_start_processes": lambda: timed(lambda: mp.start_processes(
+            raw_barrier, args=(world_size, free_port()), nprocs=world_size, start_method="fork")),
     }
     try:
-        from accelerate import notebook_launcher
+        import accelerate  # noqa: F401
     except ImportError:
         return found
-
-    def accelerate_launch():
-        with contextlib.redirect_stdout(io.StringIO()):  # it prints a line per launch
-            notebook_launcher(accelerate_barrier, num_processes=world_size, use_port=str(free_port()))
-    found["accelerate_notebook_launcher"] = accelerate_launch
+    found["accelerate_notebook_launcher"] = AccelerateLauncher(world_size)
     return found
 
 
@@ -126,15 +184,17 @@ def main(repeats: int = 40, teardown_launches: int = 200) -> dict:
         names = list(ways)
         for i in range(repeats):
             for name in names[i % len(names):] + names[:i % len(names)]:  # rotate the order
-                started = time.perf_counter()
-                ways[name]()
-                times[name].append(time.perf_counter() - started)
+                elapsed = ways[name]()
+                if elapsed is not None:
+                    times[name].append(elapsed)
         s = {name: tail_summary(values) for name, values in times.items()}
         ours, old = s["ddpkit"], s["ddpkit_env_rendezvous"]
         entry = {**s, "ratio_to_raw": ours["p50_s"] / s["raw_start_processes"]["p50_s"],
                  "target_ratio_to_raw": TARGET_OVER_FORK, "tail_p90_over_p50": ours["p90_s"] / ours["p50_s"],
                  "target_tail_p90_over_p50": TARGET_TAIL, "env_rendezvous_p90_over_p50": old["p90_s"] / old["p50_s"]}
         if "accelerate_notebook_launcher" in s:
+            ways["accelerate_notebook_launcher"].close()
+            entry["accelerate_hung"] = ways["accelerate_notebook_launcher"].hung
             entry["ratio_to_accelerate"] = ours["p50_s"] / s["accelerate_notebook_launcher"]["p50_s"]
             entry["target_ratio_to_accelerate"] = 1.0
         results[f"world_{world_size}"] = entry

@@ -99,8 +99,9 @@ def rendezvous_store(rank: int, world_size: int, port: int, listener: Any, timeo
 
     ``wait_for_workers=False``: the server need not poll (every 10 ms) until every client has
     connected; the process group's own rendezvous waits for every rank, and rank 0 lives until the
-    launcher's final barrier. Before torch 2.8 the libuv server ignored ``master_listen_fd``
-    (pytorch/pytorch#150215), so older torch serves it with the classic backend.
+    launcher's final barrier. The libuv server listens on ``master_listen_fd`` only since torch 2.8
+    (pytorch/pytorch#150215 added the missing ``uv_listen``), so older torch serves it with the classic
+    backend.
     """
     timeout = datetime.timedelta(seconds=timeout_s)
     if rank != 0:
