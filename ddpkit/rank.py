@@ -95,7 +95,11 @@ def rendezvous_store(rank: int, world_size: int, port: int, listener: Any, timeo
     a launch that takes 50 ms sometimes took 0.3-0.8 s. On a socket that already listens, the kernel
     accepts a client's connection into the backlog whatever the order, and the client's first
     request simply waits until rank 0's server reads it: no refusal, no back-off. Keeping the socket
-    from the moment the port is chosen also means no other process can take the port in between.
+    from the moment the port is chosen also means no other process can take the port in between. And
+    the store's server thread, which names each client it accepts (``getnameinfo``), now sees plain
+    IPv4 peers that ``/etc/hosts`` names, where on the dual-stack socket torch opens itself it saw
+    IPv4-mapped IPv6 ones and asked the DNS resolver (strace: 2 lookups per 2-rank launch instead of
+    4); a resolver that drops a query stalls that thread, and every rank with it, for its 5 s timeout.
 
     ``wait_for_workers=False``: the server need not poll (every 10 ms) until every client has
     connected; the process group's own rendezvous waits for every rank, and rank 0 lives until the
