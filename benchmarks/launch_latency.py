@@ -80,11 +80,12 @@ for line in sys.stdin:
 class AccelerateLauncher:
     """``accelerate.notebook_launcher`` in an interpreter of its own, driven one launch at a time.
 
-    In-process, one of 160 launches on a loaded machine hung for good: a child forked by
-    ``notebook_launcher`` sat in a futex, single-threaded, while its peers waited out accelerate's
-    timeout (the fork-beside-threads hazard), and nothing bounds that wait. Here a launch that takes
-    longer than ``HANG_S`` is counted as hung, its process group killed, and a fresh worker started.
-    The worker measures each launch itself, so the timings compare like for like.
+    On a loaded machine (load average 12-15 on 2 cores) some of its launches never end: in this
+    process, one of 160, a forked child sitting single-threaded in a futex while its peers waited on;
+    in a worker of its own, 2 of 40 four-rank launches. Nothing in ``notebook_launcher`` bounds that
+    wait, so here a launch that takes longer than ``HANG_S`` is counted as hung (``accelerate_hung``),
+    its process group killed, and a fresh worker started. The worker times each launch itself, so the
+    timings compare like for like.
     """
 
     HANG_S = 60.0
