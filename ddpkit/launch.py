@@ -21,7 +21,7 @@ What it does that ``torch.multiprocessing.start_processes`` leaves to you:
 * **failures**: one :class:`~ddpkit.failures.LaunchError` naming the root-cause rank, its exception and
   traceback, with knock-on failures listed apart; all other ranks are stopped (see ``monitor.py``);
 * **interrupts**: Ctrl-C, or Jupyter's stop button, stops every rank and raises one line,
-  ``interrupted: 4 ranks stopped at step 70`` (a ``KeyboardInterrupt``, see ``monitor.Interrupted``),
+  ``interrupted: 4 ranks stopped at step 70`` (a ``KeyboardInterrupt``, see ``Monitor.interrupted``),
   instead of each rank's relayed traceback and the monitor's own;
 * **output**: each rank's stdout/stderr go to ``rank{N}.log`` (file descriptors 1 and 2, so C++
   messages too) and are relayed to the caller as ``[rank N] ...`` lines, or rank 0's only;

@@ -35,18 +35,6 @@ TAIL_BYTES = 16_384  # how much of a dead rank's log to read for its last words
 _LINE_END = re.compile(rb"\r\n|\n|\r")
 
 
-class Interrupted(KeyboardInterrupt):
-    """The launching cell was interrupted: one line says what stopped, and where.
-
-    Still a ``KeyboardInterrupt``, so the cell (or script) stops as it always does. IPython shows an
-    exception's ``_render_traceback_()`` instead of its traceback, so a notebook shows this one line,
-    not the monitor's frames and the ranks' relayed ``KeyboardInterrupt`` tracebacks.
-    """
-
-    def _render_traceback_(self) -> list[str]:
-        return [str(self)]
-
-
 class Monitor:
     """Watches one launch's ranks (see the module docstring)."""
 
@@ -171,16 +159,23 @@ class Monitor:
         sys.stdout.write(f"[rank {rank}] {text.decode(errors='replace')}{end}")
         return True
 
-    def interrupted(self, ranks: int, started: float) -> Interrupted:
-        """The one line for an interrupted launch: how many ranks were stopped, at which step rank 0 last
-        reported (its progress file), or after how long when it reports none."""
+    def interrupted(self, ranks: int, started: float) -> KeyboardInterrupt:
+        """What an interrupted launch raises: a plain ``KeyboardInterrupt``, so the cell or script stops as
+        it always does (a script still exits by SIGINT: CPython does that only for that exact type), whose
+        message is one line: how many ranks were stopped, at which step rank 0 last reported (its progress
+        file), or after how long when it reports none. IPython shows an exception's
+        ``_render_traceback_()`` instead of its traceback, so a notebook shows just that line, not the
+        monitor's frames."""
         step = None
         with contextlib.suppress(OSError), open(os.path.join(self.run_dir, "progress.jsonl")) as handle:
             for line in handle:
                 with contextlib.suppress(ValueError, KeyError, TypeError):
                     step = int(json.loads(line)["step"])
         where = f"at step {step}" if step is not None else f"after {time.monotonic() - started:.1f} s"
-        return Interrupted(f"interrupted: {ranks} rank{'s' if ranks != 1 else ''} stopped {where}")
+        line = f"interrupted: {ranks} rank{'s' if ranks != 1 else ''} stopped {where}"
+        stopped = KeyboardInterrupt(line)
+        stopped._render_traceback_ = lambda: [line]  # type: ignore[attr-defined]
+        return stopped
 
     def close(self, relay: bool = True) -> None:
         """Relay what is left, ending unfinished lines, and close the log files. ``relay=False`` after an
