@@ -34,7 +34,7 @@ def main() -> None:
         _common.RESULTS = os.path.abspath(args.results)
     checkpoint_cost.main(repeats=5 if quick else 15)
     trainer_overhead.main(steps=100 if quick else 600)
-    launch_latency.main(repeats=3 if quick else 15, teardown_launches=20 if quick else 200)
+    launch_latency.main(repeats=3 if quick else 40, teardown_launches=20 if quick else 200)
     startup.main(repeats=2 if quick else 5)
     collectives.main(repeats=2 if quick else 5)
     recovery.main(repeats=1 if quick else 3)

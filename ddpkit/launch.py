@@ -15,10 +15,14 @@ What it does that ``torch.multiprocessing.start_processes`` leaves to you:
   spawned whenever the function allows it;
 * **a clean parent**: refuses a process that already belongs to a process group (forked ranks would
   inherit it) or whose environment already says it is a rank (``RANK``/``WORLD_SIZE``), with the fix;
-* **isolation**: a fresh free port per launch; rank variables are set only inside the ranks; the
+* **isolation**: a fresh port per launch, already listening before any rank starts (so no rank waits
+  out the store's connect back-off, see ``rank.py``); rank variables are set only inside the ranks; the
   one variable set around process start (``OMP_NUM_THREADS``) is restored; nothing is left running;
 * **failures**: one :class:`~ddpkit.failures.LaunchError` naming the root-cause rank, its exception and
   traceback, with knock-on failures listed apart; all other ranks are stopped (see ``monitor.py``);
+* **interrupts**: Ctrl-C, or Jupyter's stop button, stops every rank and raises one line,
+  ``interrupted: 4 ranks stopped at step 70`` (a ``KeyboardInterrupt``, see ``Monitor.interrupted``),
+  instead of each rank's relayed traceback and the monitor's own;
 * **output**: each rank's stdout/stderr go to ``rank{N}.log`` (file descriptors 1 and 2, so C++
   messages too) and are relayed to the caller as ``[rank N] ...`` lines, or rank 0's only;
 * **speed**: modules every training rank imports on first use (``torch._dynamo``, which the first
@@ -38,14 +42,11 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import json
 import os
 import pickle
-import re
 import shutil
 import socket
 import sys
-import tempfile
 import time
 import warnings
 from typing import Any, Callable
@@ -59,14 +60,12 @@ from ddpkit.config import check_timeout
 from ddpkit.failures import LaunchError
 from ddpkit.files import write_atomic
 from ddpkit.monitor import Monitor
-from ddpkit.rank import FORK_WARNING, dumps_cpu, rank_main
+from ddpkit.rank import FORK_WARNING, dumps_cpu, rank_main, store_takes_listening_socket
+from ddpkit.run_folder import KEEP_FAILED_LOGS, LOG_PREFIX, make_run_dir, prune_failed_logs, read_result  # noqa: F401
 
 OUTPUT_MODES = ("all", "rank0", "none")
 MAX_LOCAL_RANKS = 64  # more processes than this on one machine is a typo, not a plan
 STOP_GRACE_S = 1.0  # SIGTERM, then SIGKILL after this long
-KEEP_FAILED_LOGS = 10  # log folders of failed launches kept in the temp folder, newest first
-LOG_PREFIX = "ddpkit-launch-"
-_OWN_FILE = re.compile(r"^(rank\d+\.(log|result|error\.json)|progress\.jsonl)$")
 
 
 def launch(fn: Callable[..., Any], *args: Any, world_size: int | None = None, backend: str = "auto",
@@ -101,8 +100,10 @@ def launch(fn: Callable[..., Any], *args: Any, world_size: int | None = None, ba
     if method == "fork":
         _import_what_ranks_need()
 
-    run_dir = _make_run_dir(log_dir)
-    spec = dict(world_size=world_size, backend=resolved_backend, port=free_port(), timeout=timeout,
+    run_dir = make_run_dir(log_dir)
+    listener = rendezvous_listener()
+    port = listener.getsockname()[1] if listener is not None else free_port()
+    spec = dict(world_size=world_size, backend=resolved_backend, port=port, timeout=timeout,
                 run_dir=run_dir, forked=method == "fork",
                 progress_file=os.path.join(run_dir, "progress.jsonl") if progress_mode != "off" else None)
     display = progress_view.Display(os.path.join(run_dir, "progress.jsonl"), progress_mode, world_size)
@@ -111,25 +112,37 @@ def launch(fn: Callable[..., Any], *args: Any, world_size: int | None = None, ba
     context = mp.get_context(method)
     sys.stdout.flush()
     sys.stderr.flush()  # a forked child must not inherit (and print again) unflushed output
+    started, interrupted = time.monotonic(), None  # interrupted: how many ranks had started
     try:
         with _patched_env({"OMP_NUM_THREADS": str(runtime.threads_per_rank(method == "fork"))}), \
                 warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=FORK_WARNING, category=DeprecationWarning)
             for rank in range(world_size):
                 proc = context.Process(target=rank_main, name=f"ddpkit-rank{rank}",
-                                       args=(fn, args, kwargs, rank, spec))
+                                       args=(fn, args, kwargs, rank, spec, listener))
+                procs.append(proc)  # before start: an interrupt inside start() must not lose a child
                 proc.start()
-                procs.append(proc)
+        if listener is not None:
+            listener.close()  # every rank holds its own copy now; rank 0 serves on it
         failures = monitor.watch(procs)
+    except KeyboardInterrupt:  # the cell was interrupted (Ctrl-C, Jupyter's stop button)
+        interrupted = sum(proc.pid is not None for proc in procs)
     finally:
+        if listener is not None:
+            listener.close()
         _stop(procs)
-        monitor.close()
+        monitor.close(relay=interrupted is None)
+    if interrupted is not None:  # one line instead of the monitor's frames and each rank's relayed traceback
+        stopped = monitor.interrupted(interrupted, started)
+        if log_dir is None:
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise stopped
     if failures:
         if log_dir is None:  # kept for the error report; the oldest failed ones go
             write_atomic(os.path.join(run_dir, "FAILED"), b"")
-            _prune_failed_logs()
+            prune_failed_logs()
         raise LaunchError.from_failures(failures, log_dir=run_dir)
-    results = [_read_result(run_dir, rank) for rank in range(world_size)]
+    results = [read_result(run_dir, rank) for rank in range(world_size)]
     if log_dir is None:
         shutil.rmtree(run_dir, ignore_errors=True)
     return results
@@ -188,6 +201,18 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def rendezvous_listener() -> socket.socket | None:
+    """A socket on 127.0.0.1 that listens before any rank starts, for rank 0's rendezvous store (see
+    :func:`ddpkit.rank.rendezvous_store`: a client never finds the port closed, so never backs off);
+    None when this torch's store cannot take a listening socket over."""
+    if not store_takes_listening_socket():
+        return None
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(MAX_LOCAL_RANKS)
+    return sock
+
+
 def _import_what_ranks_need() -> None:
     """Import once here what every training rank imports lazily (about 1 s each), so forks inherit it."""
     import torch._dynamo  # noqa: F401 - the first optimizer.step() / state_dict() imports it
@@ -208,45 +233,6 @@ def _patched_env(values: dict[str, str]):
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = old
-
-
-def _make_run_dir(log_dir: str | None) -> str:
-    """The folder for this launch's logs and results; a given ``log_dir`` keeps everything but our old files."""
-    if log_dir is None:
-        _prune_failed_logs()
-        run_dir = tempfile.mkdtemp(prefix=LOG_PREFIX)
-        write_atomic(os.path.join(run_dir, "launcher.json"), json.dumps({"pid": os.getpid()}).encode())
-        return run_dir
-    run_dir = os.path.abspath(log_dir)
-    os.makedirs(run_dir, exist_ok=True)
-    for name in os.listdir(run_dir):  # a reused folder must not hand back an old result
-        if _OWN_FILE.match(name):
-            os.remove(os.path.join(run_dir, name))
-    return run_dir
-
-
-def _prune_failed_logs(keep: int = KEEP_FAILED_LOGS) -> None:
-    """Keep the newest ``keep`` log folders of ended launches (failed, or whose launcher died); drop the rest."""
-    root = tempfile.gettempdir()
-    ended = []
-    for name in os.listdir(root):
-        path = os.path.join(root, name)
-        if not name.startswith(LOG_PREFIX) or not os.path.isdir(path):
-            continue
-        if os.path.exists(os.path.join(path, "FAILED")) or not _launcher_alive(path):
-            with contextlib.suppress(OSError):
-                ended.append((os.path.getmtime(path), path))
-    for _, path in sorted(ended, reverse=True)[keep:]:
-        shutil.rmtree(path, ignore_errors=True)
-
-
-def _launcher_alive(run_dir: str) -> bool:
-    try:
-        with open(os.path.join(run_dir, "launcher.json")) as handle:
-            os.kill(int(json.load(handle)["pid"]), 0)
-    except (OSError, ValueError, KeyError, TypeError):
-        return False
-    return True
 
 
 def _run_as_external_rank(fn, args, kwargs, world_size, backend, timeout) -> list[Any]:
@@ -272,21 +258,20 @@ def _run_as_external_rank(fn, args, kwargs, world_size, backend, timeout) -> lis
             runtime.destroy_process_group()
 
 
-def _read_result(run_dir: str, rank: int) -> Any:
-    # Written by our own child process a moment ago: trusted IPC, not a checkpoint from disk.
-    with open(os.path.join(run_dir, f"rank{rank}.result"), "rb") as handle:
-        return pickle.load(handle)
-
-
 def _stop(procs: list[Any]) -> None:
-    """Make sure no rank outlives the launch: SIGTERM, a grace period, then SIGKILL; reap all."""
-    for proc in procs:
-        if proc.is_alive():
-            proc.terminate()
-    end = time.monotonic() + STOP_GRACE_S
-    for proc in procs:
-        proc.join(max(0.0, end - time.monotonic()))
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
-        proc.close()
+    """Make sure no rank outlives the launch: SIGTERM, a grace period, then SIGKILL; reap all. A second
+    interrupt during the grace period only makes it SIGKILL at once."""
+    try:
+        for proc in procs:
+            if proc.is_alive():
+                proc.terminate()
+        end = time.monotonic() + STOP_GRACE_S
+        for proc in procs:
+            proc.join(max(0.0, end - time.monotonic()))
+    finally:
+        for proc in procs:
+            if proc.pid is not None:  # started
+                if proc.is_alive():
+                    proc.kill()
+                proc.join()
+            proc.close()

@@ -159,12 +159,32 @@ class Monitor:
         sys.stdout.write(f"[rank {rank}] {text.decode(errors='replace')}{end}")
         return True
 
-    def close(self) -> None:
-        """Relay what is left, ending unfinished lines, and close the log files."""
-        self.relay()
-        for rank, (text, _, _) in self.pending.items():
-            if text:
-                self._emit(rank, text, "\n")
+    def interrupted(self, ranks: int, started: float) -> KeyboardInterrupt:
+        """What an interrupted launch raises: a plain ``KeyboardInterrupt``, so the cell or script stops as
+        it always does (a script still exits by SIGINT: CPython does that only for that exact type), whose
+        message is one line: how many ranks were stopped, at which step rank 0 last reported (its progress
+        file), or after how long when it reports none. IPython shows an exception's
+        ``_render_traceback_()`` instead of its traceback, so a notebook shows just that line, not the
+        monitor's frames."""
+        step = None
+        with contextlib.suppress(OSError), open(os.path.join(self.run_dir, "progress.jsonl")) as handle:
+            for line in handle:
+                with contextlib.suppress(ValueError, KeyError, TypeError):
+                    step = int(json.loads(line)["step"])
+        where = f"at step {step}" if step is not None else f"after {time.monotonic() - started:.1f} s"
+        line = f"interrupted: {ranks} rank{'s' if ranks != 1 else ''} stopped {where}"
+        stopped = KeyboardInterrupt(line)
+        stopped._render_traceback_ = lambda: [line]  # type: ignore[attr-defined]
+        return stopped
+
+    def close(self, relay: bool = True) -> None:
+        """Relay what is left, ending unfinished lines, and close the log files. ``relay=False`` after an
+        interrupt: what the ranks wrote since is their own interruption, which the one line says."""
+        if relay:
+            self.relay()
+            for rank, (text, _, _) in self.pending.items():
+                if text:
+                    self._emit(rank, text, "\n")
         sys.stdout.flush()
         if self.display is not None:
             self.display.close()

@@ -12,6 +12,7 @@ abort), no ``atexit`` hooks inherited from the parent.
 
 from __future__ import annotations
 
+import datetime
 import faulthandler
 import io
 import json
@@ -35,8 +36,11 @@ from ddpkit.files import write_atomic
 FORK_WARNING = r".*multi-threaded, use of fork\(\) may lead to deadlocks"
 
 
-def rank_main(fn, args, kwargs, rank: int, spec: dict) -> None:
-    """Entry point of one rank process. It always ends in ``os._exit``: no teardown, no atexit hooks."""
+def rank_main(fn, args, kwargs, rank: int, spec: dict, listener: Any = None) -> None:
+    """Entry point of one rank process. It always ends in ``os._exit``: no teardown, no atexit hooks.
+
+    ``listener`` is the rendezvous socket the launcher already listens on (see :func:`rendezvous_store`),
+    or None: then rank 0 opens ``spec["port"]`` itself (env://)."""
     run_dir = spec["run_dir"]
     runtime.die_with_parent()
     _redirect_output(os.path.join(run_dir, f"rank{rank}.log"))
@@ -54,7 +58,8 @@ def rank_main(fn, args, kwargs, rank: int, spec: dict) -> None:
     try:
         ctx = runtime.RankContext(rank, rank, world_size, world_size, spec["backend"],
                                   runtime.device_for(spec["backend"], rank))
-        ctx = runtime.init_process_group(ctx, spec["timeout"], forked=spec["forked"])
+        store = None if listener is None else rendezvous_store(rank, world_size, spec["port"], listener, spec["timeout"])
+        ctx = runtime.init_process_group(ctx, spec["timeout"], forked=spec["forked"], store=store)
         payload = dumps_cpu(fn(ctx, *args, **kwargs))
         if dist.is_initialized():
             dist.barrier()  # nobody exits while a peer may still be talking to it
@@ -70,6 +75,46 @@ def rank_main(fn, args, kwargs, rank: int, spec: dict) -> None:
             sys.stderr.write(record["traceback"])
         _flush_and_exit(1)
     _flush_and_exit(0)
+
+
+def store_takes_listening_socket() -> bool:
+    """True when this torch's ``TCPStore`` can serve on a socket someone else already listens on
+    (``master_listen_fd``); see :func:`rendezvous_store`."""
+    return "master_listen_fd" in (dist.TCPStore.__init__.__doc__ or "")
+
+
+def rendezvous_store(rank: int, world_size: int, port: int, listener: Any, timeout_s: float) -> dist.Store:
+    """The job's rendezvous store on 127.0.0.1:``port``, served by rank 0 on ``listener``, a socket the
+    launcher bound and put in the listening state before it started any rank.
+
+    Why not let rank 0 open the port itself (env://)? A client rank whose connection is refused because
+    rank 0 is not listening yet sleeps before it tries again: c10d's ``TCPStore`` client retries with
+    exponential back-off and jitter, first delay 500 ms +- 50% (``ExponentialBackoffWithJitter`` in
+    ``torch/csrc/distributed/c10d/Backoff.hpp``, used by ``TCPStore``'s connect in ``TCPStore.cpp``
+    and ``socket.cpp``). Ranks start in whatever order the scheduler runs them, so on two busy cores
+    a launch that takes 50 ms sometimes took 0.3-0.8 s. On a socket that already listens, the kernel
+    accepts a client's connection into the backlog whatever the order, and the client's first
+    request simply waits until rank 0's server reads it: no refusal, no back-off. Keeping the socket
+    from the moment the port is chosen also means no other process can take the port in between. And
+    the store's server thread, which names each client it accepts (``getnameinfo``), now sees plain
+    IPv4 peers that ``/etc/hosts`` names, where on the dual-stack socket torch opens itself it saw
+    IPv4-mapped IPv6 ones and asked the DNS resolver (strace: 2 lookups per 2-rank launch instead of
+    4); a resolver that drops a query stalls that thread, and every rank with it, for its 5 s timeout.
+
+    ``wait_for_workers=False``: the server need not poll (every 10 ms) until every client has
+    connected; the process group's own rendezvous waits for every rank, and rank 0 lives until the
+    launcher's final barrier. The libuv server listens on ``master_listen_fd`` only since torch 2.8
+    (pytorch/pytorch#150215 added the missing ``uv_listen``), so older torch serves it with the classic
+    backend.
+    """
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if rank != 0:
+        listener.close()  # only rank 0 serves; a peer's copy must not keep the port open after rank 0 dies
+        return dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout,
+                             wait_for_workers=False)
+    libuv = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 8)
+    return dist.TCPStore("127.0.0.1", port, world_size, is_master=True, timeout=timeout, wait_for_workers=False,
+                         master_listen_fd=listener.detach(), use_libuv=libuv)
 
 
 def _flush_and_exit(code: int) -> None:

@@ -236,9 +236,10 @@ def threads_per_rank(forked: bool = False) -> int:
 
 # ----------------------------------------------------------------------------- process group
 
-def init_process_group(ctx: RankContext, timeout_s: float = DEFAULT_TIMEOUT_S, forked: bool = False) -> RankContext:
-    """Set this rank's threads, pin its device and join the job's process group (env:// rendezvous on
-    MASTER_ADDR:MASTER_PORT, or one that already exists). Returns the context."""
+def init_process_group(ctx: RankContext, timeout_s: float = DEFAULT_TIMEOUT_S, forked: bool = False,
+                       store: dist.Store | None = None) -> RankContext:
+    """Set this rank's threads, pin its device and join the job's process group (on ``store`` when given,
+    else env:// rendezvous on MASTER_ADDR:MASTER_PORT, or one that already exists). Returns the context."""
     torch.set_num_threads(threads_per_rank(forked))
     if ctx.device.type == "cuda":
         torch.cuda.set_device(ctx.device)
@@ -246,7 +247,8 @@ def init_process_group(ctx: RankContext, timeout_s: float = DEFAULT_TIMEOUT_S, f
         timeout = datetime.timedelta(seconds=timeout_s)
         dist.init_process_group(
             backend=ctx.backend, rank=ctx.rank, world_size=ctx.world_size, timeout=timeout,
-            device_id=ctx.device if ctx.device.type == "cuda" else None, store=_torchelastic_store(ctx, timeout),
+            device_id=ctx.device if ctx.device.type == "cuda" else None,
+            store=store if store is not None else _torchelastic_store(ctx, timeout),
         )
     return ctx
 

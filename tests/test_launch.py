@@ -1,7 +1,9 @@
 """The launcher, on real processes and real gloo process groups."""
 
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -394,3 +396,134 @@ def test_forking_from_a_multi_threaded_process_does_not_warn():
             assert launch(rank_sum, 1, world_size=2, output="none")[0]["sum"].item() == 3.0
     finally:
         stop.set()
+
+
+def hold_rank0_until_a_peer_probed(original, flag):
+    """Wrap init_process_group: rank 1 tries the rendezvous port before rank 0 has built its store
+    (rank 0 waits for that attempt), and writes down whether the connection was accepted or refused."""
+    def init(ctx, *args, **kwargs):
+        if ctx.rank == 0:
+            deadline = time.monotonic() + 20
+            while not os.path.exists(flag) and time.monotonic() < deadline:
+                time.sleep(0.01)
+        else:
+            try:
+                socket.create_connection(("127.0.0.1", int(os.environ["MASTER_PORT"])), timeout=10).close()
+                outcome = "accepted"
+            except ConnectionRefusedError:
+                outcome = "refused"
+            with open(flag + ".tmp", "w") as handle:
+                handle.write(outcome)
+            os.replace(flag + ".tmp", flag)
+        return original(ctx, *args, **kwargs)
+    return init
+
+
+def first_probe(monkeypatch, tmp_path, name) -> str:
+    flag = str(tmp_path / name)
+    monkeypatch.setattr(runtime, "init_process_group", hold_rank0_until_a_peer_probed(runtime.init_process_group, flag))
+    assert launch(rank_sum, 0, world_size=2, output="none")[1]["sum"].item() == 1.0
+    monkeypatch.undo()
+    with open(flag) as handle:
+        return handle.read()
+
+
+def test_a_peer_that_starts_before_rank_0_is_never_refused(monkeypatch, tmp_path):
+    """A refused connection costs a client 0.25-0.75 s of c10d's back-off: the port must already listen."""
+    assert first_probe(monkeypatch, tmp_path, "listening") == "accepted"
+    # Negative control: rank 0 opening the port itself (env://), the same early peer is refused.
+    monkeypatch.setattr(launcher, "store_takes_listening_socket", lambda: False)
+    assert first_probe(monkeypatch, tmp_path, "env") == "refused"
+    assert not children()
+
+
+TRAIN_UNTIL_INTERRUPTED = """
+import ddpkit
+from ddpkit import train
+from ddpkit.config import TrainConfig
+ddpkit.launch(train.run, TrainConfig(steps=100_000, log_every=100_000), world_size=2, progress="text")
+"""
+
+
+def kernel_children(pid: int) -> set[int]:
+    found = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid and fields[0] != "Z":
+                found.add(int(entry))
+    return found
+
+
+def interrupt_a_training_cell(km, kc, tmp_path, name) -> tuple[str, list[str], float]:
+    """Run a long training launch in the kernel, interrupt it as Jupyter's stop button does (SIGINT to the
+    kernel's process group, ranks included) once rank 0 reported a few steps; return what the cell showed."""
+    msg_id = kc.execute(TRAIN_UNTIL_INTERRUPTED)
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        progress = list(tmp_path.glob("ddpkit-launch-*/progress.jsonl"))
+        if progress and len(progress[0].read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"{name}: no training progress within 180 s")
+    interrupted_at = time.monotonic()
+    km.interrupt_kernel()
+    shown, error = [], None
+    while True:
+        msg = kc.get_iopub_msg(timeout=60)
+        if msg["parent_header"].get("msg_id") != msg_id:
+            continue
+        kind, content = msg["msg_type"], msg["content"]
+        if kind == "stream":
+            shown.append(content["text"])
+        elif kind == "error":
+            error = content
+        elif kind == "status" and content["execution_state"] == "idle":
+            break
+    assert error is not None and error["ename"] == "KeyboardInterrupt", f"{name}: {error}"
+    return "".join(shown), error["traceback"], time.monotonic() - interrupted_at
+
+
+UNRENDERED = """
+from ddpkit.monitor import Monitor
+one_line = Monitor.interrupted
+def without_rendering(self, *args):
+    stopped = one_line(self, *args)
+    del stopped._render_traceback_
+    return stopped
+Monitor.interrupted = without_rendering
+"""
+
+
+def test_interrupting_a_training_cell_shows_one_line_and_leaves_nothing(tmp_path):
+    from jupyter_client.manager import KernelManager
+
+    km = KernelManager(kernel_name="python3")
+    km.start_kernel(cwd=str(tmp_path), env={**os.environ, "TMPDIR": str(tmp_path)})
+    kc = km.client()
+    kc.start_channels()
+    try:
+        kc.wait_for_ready(timeout=120)
+        kernel_pid = km.provisioner.process.pid
+        text, error, took = interrupt_a_training_cell(km, kc, tmp_path, "launcher")
+        assert len(error) == 1 and re.fullmatch(r"interrupted: 2 ranks stopped at step \d+", error[0]), error
+        assert int(error[0].rsplit(" ", 1)[1]) >= 3  # the step rank 0 had reached, not a guess
+        assert "Traceback" not in text and "KeyboardInterrupt" not in text, text[-2000:]
+        assert took < 20, f"took {took:.1f}s to stop"
+        assert not kernel_children(kernel_pid), "a rank outlived the interrupted launch"
+        assert not list(tmp_path.glob("ddpkit-launch-*")), "the interrupted launch left its folder"
+        reply = kc.execute_interactive("print(6 * 7)", timeout=60)  # the kernel itself lives on
+        assert reply["content"]["status"] == "ok"
+        # Negative control: without the one-line rendering, Jupyter shows the full traceback again.
+        kc.execute_interactive(UNRENDERED, timeout=60)
+        _, error, _ = interrupt_a_training_cell(km, kc, tmp_path, "control")
+        assert len(error) > 1 and any("Traceback" in line for line in error)
+        assert not kernel_children(kernel_pid)
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
