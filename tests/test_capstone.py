@@ -65,4 +65,6 @@ def test_continuations_follow_the_model_and_count_agreement_with_the_chain():
 ])
 def test_gpu_names_match_their_own_peak_word_by_word(name, peak):
     """A substring match would give the PCIe H100 the SXM peak and the L40 the L4's."""
-    assert capstone.peak_tflops(name) == peak
+    cfg = capstone.capstone_config()
+    achieved = 100e12 / capstone.flops_per_token(cfg)  # tokens/s at 100 TFLOP/s
+    assert capstone.mfu(achieved, cfg, name, 1) == (pytest.approx(100 / peak) if peak else None)
