@@ -20,6 +20,7 @@ What this module gives the notebook:
 from __future__ import annotations
 
 import math
+import re
 
 import torch
 
@@ -27,8 +28,11 @@ from ddpkit import metrics
 from ddpkit.config import TrainConfig
 from ddpkit.hooks import Hook, StepResult
 
-PEAK_TFLOPS = {  # dense bf16 tensor-core peaks from the vendors' data sheets, by device-name substring
-    "H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0, "A10G": 125.0, "T4": 65.0, "V100": 125.0,
+PEAK_TFLOPS = {  # dense bf16 tensor-core peaks from the vendors' data sheets (half the "with sparsity" figure)
+    # (model, variant or None): a device name matches when both are words of it, variants first
+    ("H100", "PCIE"): 756.0, ("H100", "NVL"): 835.0, ("H100", None): 989.0, ("H200", None): 989.0,
+    ("A100", None): 312.0, ("L40S", None): 362.0, ("L40", None): 181.0, ("L4", None): 121.0,
+    ("A10G", None): 125.0, ("T4", None): 65.0, ("V100", None): 125.0,
 }
 
 
@@ -118,9 +122,20 @@ def flops_per_token(cfg: TrainConfig) -> float:
     return 6 * matmul_weights + 12 * L * T * d
 
 
+def peak_tflops(device_name: str) -> float | None:
+    """The dense bf16 peak of a GPU from its name (``torch.cuda.get_device_name``), or None if unknown.
+
+    Names are matched word by word, never by substring: "NVIDIA L40" is not an L4, "NVIDIA H100 PCIe"
+    (HBM2e, 114 SMs) is not the SXM part ("NVIDIA H100 80GB HBM3", 132 SMs), "A100-SXM4-80GB" is an A100.
+    """
+    words = set(re.findall(r"[A-Z0-9]+", device_name.upper()))
+    return next((tflops for (model, variant), tflops in PEAK_TFLOPS.items()
+                 if model in words and (variant is None or variant in words)), None)
+
+
 def mfu(tokens_per_s: float, cfg: TrainConfig, device_name: str, world_size: int) -> float | None:
     """Model FLOPs utilisation: achieved training FLOP/s over the GPUs' bf16 peak (None for an unknown device)."""
-    peak = next((tflops for key, tflops in PEAK_TFLOPS.items() if key in device_name), None)
+    peak = peak_tflops(device_name)
     if peak is None:
         return None
     return tokens_per_s * flops_per_token(cfg) / (peak * 1e12 * world_size)

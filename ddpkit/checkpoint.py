@@ -11,10 +11,16 @@ checkpoint, and whether a resume may use it, is ``state.py``'s business). The pr
   one ``torch.save`` file, :func:`write_torch`; ``dcp``: every rank writing its own shards,
   ``sharded_checkpoint.py``), and :func:`publish` seals it. Hashes are computed while the bytes are written, not by a second pass.
 * **Verified**: "latest" means the newest checkpoint whose manifest verifies (well-formed, every file
-  present with its size and sha256). A torn, altered or malformed one is skipped with a warning.
+  present with its size and sha256). A torn, altered or malformed one is skipped with a warning. A
+  resume that finds checkpoints but none that verifies refuses (:func:`resume_point`): starting again
+  from step 0 would quietly throw the run away.
+* **Never deletes what it could not read**: a checkpoint folder that does not verify (bit rot, a newer
+  manifest format, a file a transient I/O error hid) is moved aside into ``unreadable/``
+  (:func:`set_aside`), never pruned or overwritten.
 * **Pruned safely**: the newest ``keep_last`` good checkpoints are kept, always including the one just
-  written; broken folders are deleted and never count among the kept ones. Re-saving a step swaps
-  folders with two renames, and a crash between them is recovered, not pruned.
+  written. A checkpoint counts among the kept ones only once its content verifies (every file's
+  sha256, not only its size), so a bit-rotted one can never push a good older one out. Re-saving a step
+  swaps folders with two renames, and a crash between them is recovered, not pruned.
 * **Data, not code**: files are read with ``torch.load(weights_only=True)``, which refuses arbitrary
   pickled objects, so a malicious checkpoint cannot run code.
 """
@@ -46,6 +52,7 @@ FORMAT = 2  # manifest format this code writes; format 1 (no "writer" field) is 
 EXTRA_FILE = "extra.pt"  # dcp writer: everything but the sharded tensors
 DCP_METADATA = ".metadata"  # dcp writer: DCP's map of which chunk of which tensor lies in which file
 WRITERS = {"full": (STATE_FILE,), "dcp": (DCP_METADATA, EXTRA_FILE)}  # writer -> files its checkpoints must contain
+UNREADABLE_DIR = "unreadable"  # where checkpoints that do not verify are moved (never deleted)
 STEP_DIR = re.compile(r"^step-(\d{8,})$")
 _OLD_DIR = re.compile(r"^\.old-step-(\d{8,})-\d+$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
@@ -170,8 +177,13 @@ def recover(root: str | Path) -> None:
 
 
 def prune(root: str | Path, keep_last: int, keep: Path | None = None) -> None:
-    """Keep ``keep`` and the newest good checkpoints, ``keep_last`` in all; delete broken folders and
-    leftovers of interrupted saves (one writer per root, so every temporary folder is dead).
+    """Keep ``keep`` and the newest good checkpoints, ``keep_last`` in all; move checkpoints that do not
+    verify aside (:func:`set_aside`); delete older good ones and leftovers of interrupted saves (one
+    writer per root, so every temporary folder is dead).
+
+    Before a checkpoint is kept in place of an older one, its content is verified (every file's sha256):
+    a bit-rotted checkpoint of the right size must not push a good one out. That reads the kept
+    checkpoints back at every save that deletes one (``keep_last - 1`` of them): the price of knowing.
 
     Deleting a large folder takes a while (every block is freed), and nothing waits for it: what goes
     is first renamed to ``.trash-*`` (instant, and never listed as a checkpoint), then deleted on a
@@ -181,19 +193,38 @@ def prune(root: str | Path, keep_last: int, keep: Path | None = None) -> None:
     recover(root)
     doomed = list(root.glob(".tmp-step-*"))
     kept = [keep] if keep is not None else []
-    for path in list_checkpoints(root):
-        if path == keep:
+    candidates = [p for p in list_checkpoints(root) if p != keep]
+    for n, path in enumerate(candidates):
+        if len(kept) >= keep_last:
+            doomed.append(path)
             continue
-        if verify(path, deep=False) is None and len(kept) < keep_last:
+        problem = verify(path, deep=n + 1 < len(candidates))  # deep when keeping it costs an older one
+        if problem is None:
             kept.append(path)
         else:
-            doomed.append(path)
+            set_aside(root, path, problem)
     for n, path in enumerate(doomed):
         with contextlib.suppress(OSError):
             os.rename(path, root / f".trash-{path.name}-{os.getpid()}-{time.monotonic_ns()}-{n}")
     trash = list(root.glob(".trash-*"))
     if trash:
         threading.Thread(target=_delete, args=(trash,), name="ddpkit-prune", daemon=True).start()
+
+
+def set_aside(root: str | Path, path: Path, problem: str) -> Path:
+    """Move a checkpoint folder that does not verify into ``root/unreadable/`` (with a warning naming
+    where): it may be repaired, read by a newer version, or have been hidden by a passing I/O error;
+    deleting it would lose that chance, and leaving it would let a later save overwrite it."""
+    aside = Path(root) / UNREADABLE_DIR
+    aside.mkdir(exist_ok=True)
+    target, n = aside / path.name, 1
+    while target.exists():
+        target, n = aside / f"{path.name}.{n}", n + 1
+    os.rename(path, target)
+    fsync_path(root)
+    warnings.warn(f"checkpoint {path.name} does not verify ({problem}): moved to {target}", CheckpointWarning,
+                  stacklevel=2)
+    return target
 
 
 def _delete(paths: list[Path]) -> None:
@@ -251,8 +282,8 @@ def read_manifest(path: str | Path) -> dict:
         if not isinstance(info, dict) or not isinstance(info.get("bytes"), int) or isinstance(info.get("bytes"), bool) \
                 or info["bytes"] < 0 or not isinstance(info.get("sha256"), str) or not _SHA256.match(info["sha256"]):
             raise CheckpointError(f"manifest entry for {name} needs a byte count and a sha256")
-    if not isinstance(manifest.get("meta", {}), dict):
-        raise CheckpointError("manifest meta is not an object")
+    if not isinstance(manifest.get("meta"), dict):
+        raise CheckpointError("manifest has no meta object (the run's identity)")
     return manifest
 
 
@@ -283,6 +314,30 @@ def latest_good(root: str | Path, deep: bool = True) -> Path | None:
         if problem is None:
             return path
         warnings.warn(f"skipping checkpoint {path.name}: {problem}", CheckpointWarning, stacklevel=2)
+    return None
+
+
+def resume_point(root: str | Path, deep: bool = True, set_newer_aside: bool = True) -> Path | None:
+    """Where a resume starts: the newest checkpoint that verifies, None in a folder without checkpoints.
+
+    Refuses (one line, nothing changed) when there are checkpoints but none verifies: a resume from step
+    0 would throw the run away, and its first save would prune what could not be read. When an older
+    one verifies, the newer ones that do not are moved aside (``set_newer_aside``): the run will save
+    those steps again.
+    """
+    recover(root)
+    found, problems = list_checkpoints(root), []
+    for path in found:
+        problem = verify(path, deep)
+        if problem is None:
+            for skipped, why in problems if set_newer_aside else []:
+                set_aside(root, skipped, why)
+            return path
+        problems.append((path, problem))
+    if found:
+        why = "; ".join(f"{p.name}: {problem}" for p, problem in problems[:3]) + ("; ..." if len(problems) > 3 else "")
+        raise CheckpointError(f"--resume found {len(found)} checkpoint(s) in {root} and none of them verifies ({why}): "
+                              f"nothing was changed; repair or move them, or start a new --checkpoint-dir")
     return None
 
 

@@ -9,9 +9,11 @@ range, every folder and file the run will write or read, and a resume that would
 weights do not reproduce its recorded loss) is reported the same way, one line and exit code 2. A
 rank failure prints the launcher's root-cause report; with ``--max-restarts N`` the whole world is
 restarted from the newest good checkpoint (the way torchrun's ``--max-restarts`` restarts a job), up
-to N times. SIGTERM (or SIGUSR1) to this process, or SIGTERM to any one rank, is a preemption notice:
-with a ``--checkpoint-dir``, every rank stops after the same step and saves it, and the run exits with
-code 75 and the command that resumes it (``preemption.py``).
+to N times. SIGTERM (or SIGUSR1) to this process, SIGTERM to any one rank or to the whole process group,
+is a preemption notice: with a ``--checkpoint-dir``, every rank stops after the same step and saves it,
+and the run exits with code 75, the command that resumes it, and a ``PREEMPTED.json`` file in the
+checkpoint folder (``preemption.py``); without one, the run stops at once with exit code 143. A
+preempted run is never restarted here: the machine is going away.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ from ddpkit.config import AMP_MODES, CHECKPOINT_FORMATS, FAIL_MODES, MODELS, STR
 from ddpkit.errors import UserError
 from ddpkit.failures import LaunchError, knock_on_line, raised_in_collective
 from ddpkit.launch import MAX_LOCAL_RANKS, launch
-from ddpkit.preemption import PREEMPTED_EXIT, passed_on_to_ranks, resume_command
+from ddpkit.preemption import (PREEMPTED_EXIT, TERMINATED_EXIT, passed_on_to_ranks, preempted_line, resume_command,
+                               torchrun_launcher, write_marker)
 from ddpkit.recovery import note_failure_detected
 
 
@@ -43,7 +46,8 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="ddpkit", description="Distributed PyTorch training on real ranks.")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    p = commands.add_parser("train", help="train a model with DDP on real ranks")
+    # no abbreviated flags: the printed resume command drops fault flags by their exact names
+    p = commands.add_parser("train", help="train a model with DDP on real ranks", allow_abbrev=False)
     d = TrainConfig()
     p.add_argument("--world-size", type=int, default=None, help=f"ranks (default {d.world_size}; torchrun sets it)")
     p.add_argument("--backend", choices=runtime.BACKENDS, default=d.backend)
@@ -76,6 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="delete the checkpoints already in --checkpoint-dir and start clean")
     p.add_argument("--max-restarts", type=int, default=d.max_restarts)
     p.add_argument("--timeout", type=float, default=d.timeout, help="collective timeout in seconds")
+    p.add_argument("--save-timeout", type=float, default=d.save_timeout,
+                   help="seconds a checkpoint save may take (its own bound, not --timeout)")
     p.add_argument("--metrics-dir", default=None)
     p.add_argument("--summary-json", default=None)
     p.add_argument("--log-every", type=int, default=d.log_every)
@@ -161,9 +167,9 @@ def check_before_launch(cfg: TrainConfig, attempt: int = 0) -> None:
         if checkpoint.list_checkpoints(cfg.checkpoint_dir) and not cfg.overwrite_checkpoints:
             raise ValueError(state.foreign_checkpoints_message(cfg.checkpoint_dir))
         return
-    with warnings.catch_warnings():  # the ranks warn about skipped checkpoints themselves
+    with warnings.catch_warnings():  # the ranks warn about skipped checkpoints (and set them aside) themselves
         warnings.simplefilter("ignore")
-        newest = checkpoint.latest_good(cfg.checkpoint_dir, deep=False)
+        newest = checkpoint.resume_point(cfg.checkpoint_dir, deep=False, set_newer_aside=False)
     if newest is None:
         return
     manifest = checkpoint.read_manifest(newest)
@@ -197,13 +203,15 @@ def main(argv: list[str] | None = None) -> int:
     for attempt in range(cfg.max_restarts + 1):
         run_cfg = restarted(cfg) if attempt > 0 else cfg
         try:
-            with passed_on_to_ranks():
+            with passed_on_to_ranks() as notice:
                 summary = launch(train.run, run_cfg, attempt, world_size=cfg.world_size, backend=cfg.backend,
                                  timeout=cfg.timeout, output="all")[0]
-            return _preempted(cfg, summary, argv) if summary["emergency_checkpoint_step"] is not None else 0
+            return _preempted(cfg, summary, argv) if summary["preempted_at_step"] is not None else 0
         except LaunchError as exc:
             if exc.is_user_error:  # a restart would fail the same way
                 return _refuse(exc.root_cause.message)
+            if notice.received or (exc.root_cause.kind, exc.root_cause.exc_type) == ("killed", "SIGTERM"):
+                return _stopped_by_notice(cfg, argv, exc)  # notice before the ranks could agree: never restarted
             note_failure_detected(cfg.metrics_dir, attempt)
             print(f"ddpkit: attempt {attempt + 1} failed: {exc}", file=sys.stderr)
             if attempt < cfg.max_restarts:
@@ -212,11 +220,34 @@ def main(argv: list[str] | None = None) -> int:
     return 1
 
 
-def _preempted(cfg: TrainConfig, summary: dict, argv: list[str]) -> int:
-    """One line: where the emergency checkpoint is and how to resume; the preempted exit code."""
-    folder = checkpoint.latest_good(cfg.checkpoint_dir, deep=False)
-    print(f"ddpkit: preempted: every rank stopped after step {summary['emergency_checkpoint_step']} and saved it "
-          f"to {folder}; resume with: {resume_command(argv)}", file=sys.stderr, flush=True)
+def _newest_good(cfg: TrainConfig):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return checkpoint.latest_good(cfg.checkpoint_dir, deep=False)
+
+
+def _preempted(cfg: TrainConfig, summary: dict, argv: list[str], launcher: list[str] | None = None) -> int:
+    """One line and a marker file: where the run stopped, which checkpoint a resume starts from, the
+    command that resumes it; the preempted exit code."""
+    newest, saved = _newest_good(cfg), summary["emergency_checkpoint_step"] is not None
+    command = resume_command(argv, launcher)
+    write_marker(cfg.checkpoint_dir, summary["preempted_at_step"], saved, newest.name if newest else None, command)
+    print(preempted_line(summary["preempted_at_step"], saved, str(newest) if newest else None, command),
+          file=sys.stderr, flush=True)
+    return PREEMPTED_EXIT
+
+
+def _stopped_by_notice(cfg: TrainConfig, argv: list[str], exc: LaunchError) -> int:
+    """SIGTERM ended the ranks before they could agree on a step (during start-up, or with no checkpoint
+    folder to save to): one line, and 75 (resume from the newest good checkpoint) or 143 (nothing to resume)."""
+    if not cfg.checkpoint_dir:
+        print(f"ddpkit: stopped by SIGTERM (no --checkpoint-dir, so nothing was saved): {exc.root_cause.headline()}",
+              file=sys.stderr, flush=True)
+        return TERMINATED_EXIT
+    newest, command = _newest_good(cfg), resume_command(argv)
+    write_marker(cfg.checkpoint_dir, None, False, newest.name if newest else None, command)
+    print(f"ddpkit: preempted before the ranks could agree on a step to save; the newest good checkpoint is "
+          f"{newest or 'none (the resume starts at step 0)'}; resume with: {command}", file=sys.stderr, flush=True)
     return PREEMPTED_EXIT
 
 
@@ -229,13 +260,14 @@ def _run_as_torchrun_worker(cfg: TrainConfig, attempt: int, argv: list[str]) -> 
     (one line), 75 preempted (an emergency checkpoint was saved), 1 anything else (with its traceback).
     """
     code = 1
+    runtime.die_with_parent()  # a worker never outlives its torchrun agent, however the agent ended
     try:
         ctx = runtime.init_process_group(runtime.RankContext.from_env(cfg.backend), cfg.timeout)
         summary = train.run(ctx, cfg, attempt)
         dist.barrier()
         code = 0
-        if summary["emergency_checkpoint_step"] is not None:
-            code = _preempted(cfg, summary, argv) if ctx.is_main else PREEMPTED_EXIT
+        if summary["preempted_at_step"] is not None:  # torchrun exits 1 on it (it restarts on it with --max-restarts)
+            code = _preempted(cfg, summary, argv, torchrun_launcher(argv)) if ctx.is_main else PREEMPTED_EXIT
     except UserError as exc:
         code = _refuse(exc)
     except BaseException as exc:  # noqa: BLE001 - reported here, then the process ends

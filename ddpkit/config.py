@@ -145,6 +145,9 @@ class TrainConfig:
     timeout: float = runtime(30.0)
     """Seconds a collective may wait before raising (PyTorch's default is 30 minutes); a training step
     that takes this long plus a margin stops its rank (the stall limit: nothing waits forever)."""
+    save_timeout: float = runtime(600.0)
+    """Seconds a checkpoint save may take (the write, and every rank's wait until it is durable), apart
+    from ``timeout``: a large save takes far longer than any collective of a training step."""
     metrics_dir: str | None = runtime(None)
     """One JSONL file per rank with step events; None disables."""
     summary_json: str | None = runtime(None)
@@ -208,6 +211,8 @@ class TrainConfig:
         for name in ("data_delay_s", "slow_step_s"):
             need(0 <= getattr(self, name) <= MAX_DELAY_S, f"{flag(name)} must be in [0, {MAX_DELAY_S:g}] seconds, got {getattr(self, name)}")
         check_timeout(self.timeout)
+        need(isinstance(self.save_timeout, (int, float)) and 0 < self.save_timeout <= MAX_TIMEOUT_S,
+             f"save-timeout must be in (0, {MAX_TIMEOUT_S:g}] seconds, got {self.save_timeout}")
         need(self.num_workers <= MAX_WORKERS, f"num-workers must be <= {MAX_WORKERS}, got {self.num_workers}")
         need(self.d_model % self.n_heads == 0, f"n-heads ({self.n_heads}) must divide d-model ({self.d_model})")
         need(self.world_size % (self.tp * self.pp) == 0,

@@ -6,7 +6,7 @@
   send itself ``sigterm``, a preemption notice (``preemption.py``); or make one step's forward ``nan``
   on this rank (a bad batch), or damage every rank's weights for a loss ``spike`` (what the loss guard,
   ``guard.py``, is for). It fails only on the first attempt, so a restarted run can finish.
-* :class:`StallWatchdog` bounds every step. A peer's collective timeout catches a rank that hangs,
+* :class:`StallWatchdog` bounds every step (and every checkpoint save, by its own limit). A peer's collective timeout catches a rank that hangs,
   but a world of one has no peer, and a rank can hang outside any collective. The watchdog is
   ``faulthandler``'s C-level timer: if the next step does not finish in time, it writes every
   thread's Python stack to stderr and ends the process (it works even when Python itself is stuck).
@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
 import signal
@@ -27,7 +28,7 @@ from ddpkit.config import TrainConfig
 from ddpkit.hooks import Hook
 
 SPIKE_DAMAGE = 8.0  # --fail-mode spike multiplies every weight by this: the loss jumps and stays up
-STALL_MARGIN_S = 10.0  # a step may take the collective timeout plus this before its rank is stopped
+STALL_MARGIN_S = 10.0  # a step may take the collective timeout plus this (a save: the save timeout plus this)
 
 
 class InjectedFailure(RuntimeError):
@@ -92,14 +93,28 @@ class FaultInjection(Hook):
 
 
 class StallWatchdog:
-    """Ends this process, with every thread's stack, if :meth:`pet` is not called within ``limit_s``."""
+    """Ends this process, with every thread's stack, if :meth:`pet` is not called within ``limit_s``.
+
+    A checkpoint save is bounded apart (``--save-timeout``, not the step's limit): a large save can
+    take far longer than any step. :meth:`allow` gives the block inside it that long, and the rest of
+    the step its ordinary limit again afterwards.
+    """
 
     def __init__(self, limit_s: float) -> None:
         self.limit_s = limit_s
 
-    def pet(self) -> None:
-        """A step finished: the next one has ``limit_s`` seconds."""
-        faulthandler.dump_traceback_later(self.limit_s, exit=True, file=sys.stderr)
+    def pet(self, limit_s: float | None = None) -> None:
+        """A step finished: the next one has ``limit_s`` seconds (by default the step limit)."""
+        faulthandler.dump_traceback_later(self.limit_s if limit_s is None else limit_s, exit=True, file=sys.stderr)
+
+    @contextlib.contextmanager
+    def allow(self, seconds: float):
+        """The block may take ``seconds`` (plus the stall margin); then the ordinary limit applies again."""
+        self.pet(seconds + STALL_MARGIN_S)
+        try:
+            yield
+        finally:
+            self.pet()
 
     def stop(self) -> None:
         faulthandler.cancel_dump_traceback_later()

@@ -21,13 +21,15 @@ import math
 import os
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from ddpkit.files import atomic_write
-from ddpkit.runtime import RankContext
+
+if TYPE_CHECKING:  # only a type here: the runtime plane sits above observability, not below it
+    from ddpkit.runtime import RankContext
 
 PHASES = ("data_s", "h2d_s", "forward_s", "backward_s", "comm_s", "optimizer_s", "sync_s")
 """Per-step phase times. ``comm_s`` is measured by :class:`CommTimer` and overlaps ``backward_s``;

@@ -7,10 +7,12 @@ notebook measured and check it, instead of trusting that a cell "looked right".
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -96,12 +98,22 @@ def run_command(argv: list[str], *, env: dict | None = None, timeout: float = 18
     stdout and stderr share one pipe (so their lines interleave exactly as written) and Python children
     are unbuffered. ``show(line)`` picks which lines to print; all of them are returned (as ``stdout``).
     After ``heartbeat_s`` seconds without a shown line, a short "still running" line says the cell is alive.
-    Raises ``subprocess.TimeoutExpired`` after killing the command if it runs past ``timeout`` seconds.
+    Raises ``subprocess.TimeoutExpired`` after killing the command if it runs past ``timeout`` seconds; a
+    timeout or an interrupted cell kills every process the command started (:func:`kill_tree`).
     """
     env = {**(os.environ if env is None else env), "PYTHONUNBUFFERED": "1"}
     started = time.monotonic()
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            bufsize=1, errors="replace")
+                            bufsize=1, errors="replace")  # in the kernel's process group: a kernel shutdown reaches it
+    try:
+        return _follow(proc, argv, started, timeout, show, heartbeat_s)
+    except BaseException:  # a timeout, or the cell interrupted: nothing the command started outlives it
+        kill_tree(proc.pid)
+        proc.wait()
+        raise
+
+
+def _follow(proc: subprocess.Popen, argv: list[str], started: float, timeout: float, show, heartbeat_s: float):
     lines: queue.Queue = queue.Queue()
 
     def pump():
@@ -121,8 +133,6 @@ def run_command(argv: list[str], *, env: dict | None = None, timeout: float = 18
         except queue.Empty:
             if time.monotonic() < deadline:
                 continue
-            proc.kill()
-            proc.wait()
             raise subprocess.TimeoutExpired(argv, timeout, output="".join(seen)) from None
         if line is None:
             break
@@ -132,6 +142,42 @@ def run_command(argv: list[str], *, env: dict | None = None, timeout: float = 18
             last_shown = time.monotonic()
     proc.wait()
     return subprocess.CompletedProcess(argv, proc.returncode, "".join(seen), "")
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and every process descended from it, whatever session or process group it moved to.
+
+    Killing the command, or its process group, is not enough: torchrun starts every worker in a session of
+    its own (``start_new_session=True``, so that it can signal each worker's group), and a worker outlives
+    a torchrun that is SIGKILLed. The tree is frozen first (SIGSTOP, walked again until nothing new
+    appears), so that no process forks a child behind the walk, then killed. Linux reads the tree from
+    ``/proc``; elsewhere only ``pid`` itself is killed.
+    """
+    frozen: set[int] = set()
+    while fresh := {pid, *_descendants(pid)} - frozen:
+        for p in fresh:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(p, signal.SIGSTOP)
+        frozen |= fresh
+    for p in frozen:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(p, signal.SIGKILL)
+
+
+def _descendants(pid: int) -> set[int]:
+    """Every live process below ``pid`` (children, grandchildren, ...), from ``/proc/*/stat``."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").glob("[0-9]*") if os.path.isdir("/proc") else []:
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()  # after "(comm)": state, ppid, ...
+            children.setdefault(int(fields[1]), []).append(int(entry.name))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
 
 
 def show_table(rows: list[dict], columns: list[str] | None = None) -> str:

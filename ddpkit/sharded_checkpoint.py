@@ -107,19 +107,21 @@ def seal(ctx, root: str, step: int, tmp: Path, extra: dict, meta: dict, keep_las
 
 
 def save(ctx, root: str, step: int, model_state: dict, optimizer_state: dict, extra: dict, meta: dict,
-         keep_last: int = 3) -> Path | None:
+         keep_last: int = 3, group=None) -> Path | None:
     """Write a dcp checkpoint (collective: every rank calls with its own, possibly sharded, state).
-    ``optimizer_state`` is keyed by parameter name; its ``param_groups`` go to ``extra.pt``."""
+    ``optimizer_state`` is keyed by parameter name; its ``param_groups`` go to ``extra.pt``. ``group``: the
+    process group the writes and the final wait run on (the trainer's has the save's own timeout)."""
+    group = group if group is not None else _world(ctx)
     require_chunks(model_state)
     tmp = _agree_on_folder(ctx, root, step)
     try:  # DCP reports any rank's write error on every rank
         dcp.save(_tensors(model_state, optimizer_state), storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True),
-                 process_group=_world(ctx))
+                 process_group=group)
         final = seal(ctx, root, step, tmp, {**extra, "param_groups": optimizer_state["param_groups"]}, meta, keep_last)
     except (OSError, RuntimeError, CheckpointException) as exc:
         raise checkpoint.save_failed(root, step, tmp, exc) from exc
     if ctx.is_distributed:
-        dist.barrier(group=ctx.world_group)
+        dist.barrier(group=group)
     return final
 
 

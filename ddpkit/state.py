@@ -140,23 +140,41 @@ def torch_version_note(saved: dict) -> str | None:
     return None
 
 
+REQUIRED = {"model": dict, "optimizer": dict, "sampler": dict, "rng": list, "meta": dict, "train": dict}
+REQUIRED_TRAIN = ("step", "consumed_samples", "data_sha256")
+
+
+def check_structure(saved: dict) -> None:
+    """Refuse a checkpoint that lacks a part an exact resume reads (one line naming it, not a KeyError)."""
+    missing = [k for k, kind in REQUIRED.items() if not isinstance(saved.get(k), kind)]
+    missing += [f"train.{k}" for k in REQUIRED_TRAIN if isinstance(saved.get("train"), dict) and k not in saved["train"]]
+    if missing:
+        raise CheckpointError(f"this checkpoint lacks {', '.join(missing)}, which a resume needs: it was not written "
+                              f"by this trainer; start from another checkpoint or a new --checkpoint-dir")
+
+
 def check_saved(saved: dict, cfg: TrainConfig, expected_lr: float, saved_at_step: int | None = None,
                 model_keys: set[str] | None = None, with_optimizer: bool = True) -> None:
     """Before a restore, refuse a state that would not continue the run it came from.
 
     Step (the folder's step is the state's), sampler progress (``consumed = step x global batch``),
     the model's parameters (the same names), optimizer state (present for every parameter, and as many
-    optimizer steps as training steps), scaler state (fp16), and the learning rate (the schedule's
-    value at that step). ``with_optimizer=False`` skips the optimizer checks (a deliberate
+    optimizer steps as the run applied: ``train.applied_steps``, which the loss guard's skipped and
+    rolled-back steps keep below the step count), scaler state (fp16), and the learning rate (the
+    schedule's value at that step). ``with_optimizer=False`` skips the optimizer checks (a deliberate
     weights-only restore). Loss continuity is checked after loading: :func:`check_probe`.
     """
     train = saved["train"]
     step, consumed = train["step"], train["consumed_samples"]
+    applied = train.get("applied_steps", step)  # written since the guard could skip steps; before, every step applied
     if saved_at_step is not None and step != saved_at_step:
         raise CheckpointError(f"checkpoint folder says step {saved_at_step} but its state is at step {step}: "
                               f"the files were mixed up; start from another checkpoint")
     if consumed != step * cfg.global_batch_size:
         raise CheckpointError(f"sampler position {consumed} != step {step} x global batch {cfg.global_batch_size}")
+    if not 0 <= applied <= step:
+        raise CheckpointError(f"checkpoint says {applied} of its {step} steps were applied: it is not a state this "
+                              f"trainer wrote; start from another checkpoint")
     saved_keys = set(saved.get("model_names", saved["model"]))  # a dcp load fills only what this rank holds
     if model_keys is not None and saved_keys != model_keys:
         missing, extra = sorted(model_keys - saved_keys), sorted(saved_keys - model_keys)
@@ -164,7 +182,7 @@ def check_saved(saved: dict, cfg: TrainConfig, expected_lr: float, saved_at_step
                               f"{extra[:3]}): resume with the config it was trained with")
     if cfg.amp == "fp16" and not saved.get("scaler"):
         raise CheckpointError("amp fp16 needs the GradScaler state, and the checkpoint has none")
-    if not with_optimizer or step == 0:
+    if not with_optimizer or applied == 0:
         return
     optimizer = saved["optimizer"]
     names = [name for group in optimizer["param_groups"] for name in group["params"]]
@@ -177,10 +195,10 @@ def check_saved(saved: dict, cfg: TrainConfig, expected_lr: float, saved_at_step
         raise CheckpointError(f"optimizer state is missing for {len(missing)} of {len(names)} parameters at step "
                               f"{step} (e.g. {missing[:2]}): these are not the saved moments")
     counts = {int(optimizer["state"][name]["step"]) for name in names}
-    # fp16 may skip steps on overflow, so fewer optimizer steps than training steps is legal there
-    if max(counts) > step or (cfg.amp != "fp16" and counts != {step}):
-        raise CheckpointError(f"optimizer state has taken {sorted(counts)} steps but the checkpoint is at "
-                              f"step {step}: it is not this run's optimizer state")
+    # fp16 may skip steps on overflow, so fewer optimizer steps than applied steps is legal there
+    if max(counts) > applied or (cfg.amp != "fp16" and counts != {applied}):
+        raise CheckpointError(f"optimizer state has taken {sorted(counts)} steps but the checkpoint applied {applied} "
+                              f"of its {step} steps: it is not this run's optimizer state")
     saved_lr = optimizer["param_groups"][0]["lr"]
     if abs(saved_lr - expected_lr) > 1e-12 * max(1.0, expected_lr):
         raise CheckpointError(f"learning rate jumps: checkpoint's last lr {saved_lr} != schedule's {expected_lr}")

@@ -56,3 +56,15 @@ def test_continuations_follow_the_model_and_count_agreement_with_the_chain():
     assert copy["chain"][0][1] == int(transition[0].argmax()) and len(copy["chain"][0]) == 7
     contrary = capstone.continuations(_ChainModel(-transition), transition, [0], 6)  # picks the least likely
     assert contrary["agreement"] == 0.0 and contrary["model"][0][1] == int(transition[0].argmin())
+
+
+@pytest.mark.parametrize("name, peak", [
+    ("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H100 PCIe", 756.0), ("NVIDIA H100 NVL", 835.0),
+    ("NVIDIA L40", 181.0), ("NVIDIA L40S", 362.0), ("NVIDIA L4", 121.0), ("NVIDIA A100-SXM4-80GB", 312.0),
+    ("NVIDIA GH200 480GB", None),
+])
+def test_gpu_names_match_their_own_peak_word_by_word(name, peak):
+    """A substring match would give the PCIe H100 the SXM peak and the L40 the L4's."""
+    cfg = capstone.capstone_config()
+    achieved = 100e12 / capstone.flops_per_token(cfg)  # tokens/s at 100 TFLOP/s
+    assert capstone.mfu(achieved, cfg, name, 1) == (pytest.approx(100 / peak) if peak else None)

@@ -148,8 +148,10 @@ def test_broken_folders_do_not_count_among_the_kept_ones(tmp_path):
         checkpoint.save(tmp_path, step, tiny_state(step), keep_last=5)
     (tmp_path / "step-00000003" / "manifest.json").unlink()  # torn
     (tmp_path / "step-00000002" / "state.pt").write_bytes(b"short")  # truncated
-    checkpoint.save(tmp_path, 4, tiny_state(4), keep_last=2)
-    assert names(tmp_path) == ["step-00000004", "step-00000001"]  # two good ones; the broken are gone
+    with pytest.warns(CheckpointWarning, match="moved to"):
+        checkpoint.save(tmp_path, 4, tiny_state(4), keep_last=2)
+    assert names(tmp_path) == ["step-00000004", "step-00000001"]  # two good ones; the broken are set aside
+    assert sorted(p.name for p in (tmp_path / "unreadable").iterdir()) == ["step-00000002", "step-00000003"]
 
 
 def test_a_crash_between_the_two_renames_of_a_re_save_is_recovered(tmp_path, monkeypatch):
@@ -186,3 +188,39 @@ def test_clear_deletes_checkpoints_and_leftovers_only(tmp_path):
     (tmp_path / "notes.txt").write_text("mine")
     assert checkpoint.clear(tmp_path) == ["step-00000001"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+
+
+def test_pruning_verifies_content_before_keeping_a_checkpoint_in_place_of_an_older_one(tmp_path):
+    """A bit flipped in the newest older checkpoint (same size): it must not push the good one out."""
+    for step in (1, 2):
+        checkpoint.save(tmp_path, step, tiny_state(step), keep_last=2)
+    rotten = tmp_path / "step-00000002" / "state.pt"
+    data = rotten.read_bytes()
+    rotten.write_bytes(data[:-20] + bytes([data[-20] ^ 1]) + data[-19:])
+    with pytest.warns(CheckpointWarning, match="step-00000002 does not verify.*sha256"):
+        checkpoint.save(tmp_path, 3, tiny_state(3), keep_last=2)
+    assert names(tmp_path) == ["step-00000003", "step-00000001"]
+    assert checkpoint.load(tmp_path / "step-00000001")["train"]["step"] == 1
+    assert (tmp_path / "unreadable" / "step-00000002" / "state.pt").read_bytes() != data  # kept, not deleted
+
+
+def test_a_resume_that_finds_only_unreadable_checkpoints_refuses_and_changes_nothing(tmp_path):
+    for step in (1, 2):
+        checkpoint.save(tmp_path, step, tiny_state(step))
+    for path in checkpoint.list_checkpoints(tmp_path):  # as if a newer version had written them
+        (path / "manifest.json").write_text(json.dumps({**json.loads((path / "manifest.json").read_text()), "format": 9}))
+    before = sorted(p.name for p in tmp_path.iterdir())
+    with pytest.raises(CheckpointError, match=r"found 2 checkpoint\(s\) .* none of them verifies .*format 9.*nothing was changed"):
+        checkpoint.resume_point(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_a_resume_from_an_older_checkpoint_sets_the_unreadable_newer_ones_aside(tmp_path):
+    checkpoint.save(tmp_path, 1, tiny_state(1))
+    newer = checkpoint.save(tmp_path, 2, tiny_state(2))
+    (newer / "manifest.json").write_text('{"format": 9}')
+    with pytest.warns(CheckpointWarning, match="moved to .*unreadable"):
+        assert checkpoint.resume_point(tmp_path).name == "step-00000001"
+    assert names(tmp_path) == ["step-00000001"] and (tmp_path / "unreadable" / "step-00000002").is_dir()
+    checkpoint.save(tmp_path, 2, tiny_state(2.5))  # the resumed run saves step 2 again: the old one is still there
+    assert json.loads((tmp_path / "unreadable" / "step-00000002" / "manifest.json").read_text()) == {"format": 9}

@@ -202,3 +202,21 @@ def test_torchrun_restarts_never_resume_another_runs_checkpoints(tmp_path, summa
     assert proc.returncode != 0 and "ddpkit train:" not in out  # refused at the start and again at the restart
     assert out.count("already holds checkpoints") >= 2
     assert sorted(p.name for p in ck.iterdir()) == before
+
+
+def test_resume_refuses_a_folder_of_unreadable_checkpoints_and_skips_one_without_meta(tmp_path, summary):
+    """Never silently from step 0: unreadable checkpoints are one line and exit 2; a manifest without its
+    meta is a skipped checkpoint, not a KeyError."""
+    ck = tmp_path / "ck"
+    summary("first", "--steps", "8", "--checkpoint-dir", str(ck), "--checkpoint-every", "4")
+    newest = ck / "step-00000008" / "manifest.json"
+    manifest = json.loads(newest.read_text())
+    newest.write_text(json.dumps({k: v for k, v in manifest.items() if k != "meta"}))
+    resumed = summary("resumed", "--steps", "8", "--checkpoint-dir", str(ck), "--resume")
+    assert resumed["resumed_from_step"] == 4  # step 8 skipped, and set aside for the run to save it again
+    assert (ck / "unreadable" / "step-00000008").is_dir()
+    for path in ck.glob("step-*/manifest.json"):
+        path.write_text(json.dumps({**json.loads(path.read_text()), "format": 9}))
+    proc = run_cli("train", "--steps", "12", "--checkpoint-dir", str(ck), "--resume", timeout=60)
+    assert proc.returncode == 2 and "[rank" not in proc.stdout, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "none of them verifies" in proc.stderr, proc.stderr

@@ -7,8 +7,10 @@ import pytest
 from ddpkit import train
 from ddpkit.config import TrainConfig
 from ddpkit.failures import LaunchError
-from ddpkit.guard import MIN_HISTORY, LossGuard
+from ddpkit.guard import MAX_ROLLBACKS, MIN_HISTORY, LossGuard
+from ddpkit.hooks import Hook
 from ddpkit.launch import launch
+from ddpkit.train import Trainer
 
 RUN = dict(steps=30, dataset_size=1024, log_every=100)
 
@@ -60,3 +62,43 @@ def test_damaged_weights_are_rolled_back_to_the_newest_checkpoint(tmp_path):
 def test_with_nothing_to_roll_back_to_the_guard_stops_the_run_with_the_fix(tmp_path):
     with pytest.raises(LaunchError, match="no checkpoint to roll back to: add --checkpoint-dir"):
         run(fail_mode="spike", fail_at_step=8, nan_guard=True)
+
+
+@pytest.mark.parametrize("fault", [dict(fail_mode="nan", fail_at_step=7, fail_rank=1),  # a skipped step before the save
+                                   dict(fail_mode="spike", fail_at_step=14)])  # a spike 4 steps after the resume
+def test_a_guarded_run_resumes_bitwise_with_its_history(tmp_path, fault):
+    """The resume check counts applied optimizer steps (a rejected step applies none), and the guard's
+    history travels with the checkpoint: a spike right after a resume is caught as it would be without one."""
+    guarded = dict(nan_guard=True, checkpoint_every=5, steps=20, **fault)
+    straight = run(checkpoint_dir=str(tmp_path / "a"), **guarded)
+    run(checkpoint_dir=str(tmp_path / "b"), **{**guarded, "steps": 10})
+    resumed = run(checkpoint_dir=str(tmp_path / "b"), resume=True, **guarded)
+    assert resumed["resumed_from_step"] == 10 and straight["guard_events"], straight["guard_events"]
+    for key in ("param_sha256", "optimizer_sha256", "data_sha256", "skipped_batches", "guard_events", "applied_steps"):
+        assert resumed[key] == straight[key], key
+    assert resumed["applied_steps"] < resumed["steps"]  # the rejected steps applied nothing
+
+
+class NaNFrom(Hook):
+    """Every forward gives NaN from ``step`` on: a fault no rollback can get past."""
+
+    def __init__(self, step: int) -> None:
+        self.step, self.handle = step, None
+
+    def before_step(self, trainer) -> None:
+        if trainer.step == self.step and self.handle is None:
+            self.handle = trainer.model.module.register_forward_hook(lambda m, i, out: out * float("nan"))
+
+
+def nan_for_good(ctx, cfg, step):
+    return Trainer(ctx, cfg, hooks=[NaNFrom(step)]).fit()
+
+
+def test_a_fault_that_persists_gives_up_after_a_bounded_number_of_rollbacks(tmp_path):
+    cfg = TrainConfig(**{**RUN, "steps": 60}, nan_guard=True, checkpoint_dir=str(tmp_path), checkpoint_every=4)
+    with pytest.raises(LaunchError) as info:
+        launch(nan_for_good, cfg, 6, world_size=2, output="none")
+    message = info.value.root_cause.message
+    assert info.value.is_user_error and f"rolled back {MAX_ROLLBACKS} times" in message, message
+    step = 6 + 2 * (MAX_ROLLBACKS + 1)  # skip, roll back; MAX_ROLLBACKS times; then the next rollback is refused
+    assert f"step {step} was rejected again" in message and "\n" not in message, message

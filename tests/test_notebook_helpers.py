@@ -1,7 +1,9 @@
 """The notebooks' helpers: fresh folders, clear dependency errors, streamed commands, tables, records."""
 
+import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -51,3 +53,30 @@ def test_run_command_says_it_is_alive_while_every_line_is_filtered_out(capsys):
     proc = run_command([sys.executable, "-c", code], show=lambda line: False, heartbeat_s=1.0)
     out = capsys.readouterr().out
     assert proc.returncode == 0 and "hidden" not in out and out.count("still running") >= 1, out
+
+
+def test_a_timeout_kills_every_process_the_command_started_even_in_another_session(tmp_path):
+    """What torchrun does: its workers run in sessions of their own, so killing torchrun (or its process
+    group) leaves them running. The timeout must take the whole tree."""
+    pids = tmp_path / "pids"
+    script = ("import subprocess, sys, time\n"
+              "worker = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'], start_new_session=True)\n"
+              f"open({str(pids)!r}, 'w').write(str(worker.pid))\n"
+              "print('started', flush=True)\n"
+              "time.sleep(120)\n")
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_command([sys.executable, "-c", script], timeout=4)
+    worker = int(pids.read_text())
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and _alive(worker):
+        time.sleep(0.05)
+    assert not _alive(worker), "the worker in its own session outlived the timeout"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as handle:  # a zombie (killed, not yet reaped by init) is not alive
+        return handle.read().rsplit(")", 1)[1].split()[0] != "Z"

@@ -1,6 +1,7 @@
 """Torture tests, bounded in time: SIGKILL at random instants of a save (full and dcp) never leaves a
-torn checkpoint that a resume would load; SIGTERM at random steps always resumes bitwise; a disk that
-fills during a save gives one clear error and leaves the previous checkpoint intact."""
+torn checkpoint that a resume would load; SIGTERM at random steps (to one rank, or to every rank and
+DataLoader worker at once) always resumes bitwise; a disk that fills during a save gives one clear error
+and leaves the previous checkpoint intact."""
 
 import errno
 import json
@@ -20,6 +21,7 @@ import torch
 from ddpkit import checkpoint, runtime, sharded_checkpoint, train
 from ddpkit.config import TrainConfig
 from ddpkit.files import write_atomic
+from ddpkit.hooks import Hook
 from ddpkit.launch import free_port, launch
 from tests.conftest import REPO, cli_env, run_cli
 
@@ -92,19 +94,64 @@ def test_sigkill_at_random_instants_of_a_save_never_loads_a_torn_checkpoint(tmp_
     assert inside_a_save >= KILLS // 2, f"only {inside_a_save} of {KILLS} kills landed inside a save"
 
 
+class NoticeToEveryProcess(Hook):
+    """Before step ``step``, rank 0 sends SIGTERM to every process of the job but the launcher (this test
+    process): every rank and every DataLoader worker, what ``kill -- -PGID`` does to them (the launcher's
+    own part, passing the notice on, is tested through the command line in test_preemption.py)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def before_step(self, trainer) -> None:
+        if trainer.ctx.rank == 0 and trainer.step == self.step:
+            for pid in sorted(_descendants(os.getppid())):
+                os.kill(pid, signal.SIGTERM)
+
+
+def _descendants(pid: int) -> set[int]:
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as handle:
+                    parents[int(entry)] = int(handle.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                pass
+    found, todo = set(), [pid]
+    while todo:
+        parent = todo.pop()
+        for child, its_parent in parents.items():
+            if its_parent == parent and child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def notice_to_every_process(ctx, cfg, step):
+    return train.Trainer(ctx, cfg, hooks=[NoticeToEveryProcess(step)]).fit()
+
+
 def test_sigterm_at_random_steps_always_resumes_bitwise(tmp_path):
+    """The notice to one rank, or to every rank and DataLoader worker at once; with and without workers."""
     rng = random.Random(11)
     base = TrainConfig(steps=12, dataset_size=512, log_every=100)
     clean = launch(train.run, base, world_size=2, output="none")[0]["param_sha256"]
+    kinds = []
     for trial in range(20):
         step, rank, fmt = rng.randrange(0, 11), rng.randrange(2), rng.choice(["full", "dcp"])
+        workers, everyone = rng.choice([0, 1]), trial % 2 == 1
         cfg = base.replace(checkpoint_dir=str(tmp_path / f"t{trial}"), checkpoint_format=fmt,
-                           checkpoint_every=rng.choice([0, 4]))
-        stopped = launch(train.run, cfg.replace(fail_mode="sigterm", fail_at_step=step, fail_rank=rank),
-                         world_size=2, output="none")[0]
-        assert stopped["emergency_checkpoint_step"] == step + 1, (trial, step, rank)
+                           checkpoint_every=rng.choice([0, 4]), num_workers=workers)
+        if everyone:
+            stopped = launch(notice_to_every_process, cfg, step, world_size=2, output="none")[0]
+        else:
+            stopped = launch(train.run, cfg.replace(fail_mode="sigterm", fail_at_step=step, fail_rank=rank),
+                             world_size=2, output="none")[0]
+        kinds.append((everyone, workers))
+        assert stopped["emergency_checkpoint_step"] == step + 1, (trial, step, rank, everyone, workers)
         resumed = launch(train.run, cfg.replace(resume=True), world_size=2, output="none")[0]
         assert (resumed["resumed_from_step"], resumed["param_sha256"]) == (step + 1, clean), (trial, step, rank, fmt)
+    assert (True, 1) in kinds and (False, 1) in kinds  # every process signalled, workers included
 
 
 def test_a_full_disk_during_a_save_is_one_clear_error_and_the_previous_checkpoint_stays(tmp_path, monkeypatch):
