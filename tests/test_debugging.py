@@ -1,0 +1,96 @@
+"""Debugging lessons on real gloo ranks: each finding, and the same check failing without its mechanism."""
+
+import os
+import pickle
+
+import pytest
+
+from ddpkit.debug import flight, mismatch
+
+needs_fr = pytest.mark.skipif(not flight.available(), reason="this torch cannot dump a gloo Flight Recorder")
+
+NAMED = {"op": "Op type: ALLREDUCEvs BROADCAST", "shape": "Tensor shapes", "dtype": "Tensor dtypes"}
+
+
+@pytest.mark.parametrize("case", ["op", "shape", "dtype"])
+def test_detail_names_the_mismatch_and_without_it_nothing_does(case):
+    helped = mismatch.outcome(mismatch.mismatched_collective, case, True, 1.0)
+    assert helped["raised"] and "Detected mismatch between collectives" in helped["root"]
+    assert NAMED[case] in helped["root"] and "CollectiveFingerPrint" in helped["root"]
+    # negative control: the same bug without DETAIL; no message names the two calls
+    alone = mismatch.outcome(mismatch.mismatched_collective, case, False, 1.0)
+    seen = alone["root"] + " ".join(alone["others"])
+    assert alone["raised"] and "Detected mismatch" not in seen and "CollectiveFingerPrint" not in seen
+    assert any(word in seen for word in ("Timed out", "Connection reset", "Connection closed", "SIGABRT")), seen
+
+
+def test_detail_lets_agreeing_ranks_through():
+    run = mismatch.outcome(mismatch.mismatched_collective, "none", True, 1.0)
+    assert not run["raised"] and run["results"] == [[4.0] * 4] * 2
+
+
+@needs_fr
+def test_flight_recorder_names_the_odd_rank_out(tmp_path):
+    with flight.recording():
+        run = mismatch.outcome(mismatch.mismatched_collective, "op", False, 1.0, 1, str(tmp_path), world_size=3)
+    assert run["raised"]
+    found = flight.analyze(str(tmp_path))
+    assert not found.ok and found.culprits == [1] and found.differing == {1: "gloo:broadcast"}
+    assert found.kinds[1] == "COLLECTIVE_TYPE_MISMATCH" and found.op == "gloo:all_reduce"
+    assert "Culprit rank 1" in found.report
+
+
+@needs_fr
+def test_flight_recorder_finds_nothing_when_ranks_agree(tmp_path):
+    with flight.recording():
+        run = mismatch.outcome(mismatch.mismatched_collective, "none", False, 1.0, 1, str(tmp_path), world_size=3)
+    assert not run["raised"]
+    found = flight.analyze(str(tmp_path))
+    assert found.ok and found.culprits == [] and len(set(found.issued.values())) == 1
+
+
+@needs_fr
+def test_with_recording_off_the_rings_are_empty(tmp_path):
+    with flight.recording(0):
+        run = mismatch.outcome(mismatch.mismatched_collective, "none", False, 1.0, 1, str(tmp_path))
+    assert not run["raised"]
+    assert all(not d["entries"] for d in flight.read_dumps(str(tmp_path)).values())
+
+
+@needs_fr
+def test_gloo_dumps_need_their_group_table_fixed(tmp_path):
+    from torch.distributed.flight_recorder.components.builder import build_groups_memberships
+
+    with flight.recording():
+        mismatch.outcome(mismatch.mismatched_collective, "none", False, 1.0, 1, str(tmp_path))
+    dumps = flight.read_dumps(str(tmp_path))
+    assert all("" in d["pg_config"] for d in dumps.values()), "gloo leaves the table keyed ''"
+    names = {e["process_group"][0] for d in dumps.values() for e in d["entries"]}
+    _, _, _, _, raw = build_groups_memberships({r: d["pg_config"] for r, d in dumps.items()})
+    assert not any((name, 0) in raw for name in names), "unfixed, the analyzer cannot find the groups"
+    fixed = {r: flight.gloo_pg_config(d, sorted(dumps))["pg_config"] for r, d in dumps.items()}
+    _, _, _, _, pg_guids = build_groups_memberships(fixed)
+    assert all((name, r) in pg_guids for name in names for r in dumps)
+
+
+def test_dumps_are_read_as_plain_data_only(tmp_path):
+    (tmp_path / "fr_rank_0").write_bytes(pickle.dumps({"entries": [], "when": os.stat_result((0,) * 10)}))
+    with pytest.raises(pickle.UnpicklingError, match="plain data"):
+        flight.read_dumps(str(tmp_path))
+
+
+@needs_fr
+def test_a_skipped_collective_stalls_and_the_rings_name_the_rank(tmp_path):
+    steps = 6
+    with flight.recording():
+        run = mismatch.outcome(mismatch.skipped_collective, steps, 2, str(tmp_path), timeout=2.0)
+    assert run["raised"] and run["kind"] == "stalled" and run["rank"] == 1
+    assert "skipped_collective" in run["stack"]
+    found = flight.analyze(str(tmp_path))
+    assert found.missing == [1] and found.issued[0] == found.issued[1] + 1
+    assert "rank 1 never issued it" in flight.stall_summary(str(tmp_path))
+
+
+def test_without_the_skip_every_rank_makes_every_collective():
+    run = mismatch.outcome(mismatch.skipped_collective, 6, None, timeout=2.0, evaluate_s=0.0)
+    assert not run["raised"] and run["results"] == [6, 6]
