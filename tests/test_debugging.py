@@ -94,3 +94,45 @@ def test_a_skipped_collective_stalls_and_the_rings_name_the_rank(tmp_path):
 def test_without_the_skip_every_rank_makes_every_collective():
     run = mismatch.outcome(mismatch.skipped_collective, 6, None, timeout=2.0, evaluate_s=0.0)
     assert not run["raised"] and run["results"] == [6, 6]
+
+
+# --- silent bugs: each caught by a kit check, and the same check passing on the correct code --------------
+
+from ddpkit import data  # noqa: E402
+from ddpkit.debug import silent  # noqa: E402
+from ddpkit.launch import launch  # noqa: E402
+
+
+def _samplers(kind, n=32, epochs=2):
+    return launch(silent.sampler_epochs, kind, n, epochs, world_size=2, output="none")
+
+
+def test_ranks_fed_the_same_samples_fail_the_partition_check():
+    broken = _samplers("not distributed")
+    report = data.check_partition([rank[0] for rank in broken], range(32))
+    assert not report.ok and len(report.duplicates) == 32
+    assert data.check_partition([rank[0] for rank in _samplers("distributed")], range(32)).ok  # control
+
+
+def test_a_forgotten_set_epoch_repeats_the_data_fingerprint():
+    forgot = silent.epoch_fingerprints(_samplers("no set_epoch"), batch_per_rank=4)
+    assert forgot[0] == forgot[1]
+    right = silent.epoch_fingerprints(_samplers("distributed"), batch_per_rank=4)
+    assert right[0] != right[1]  # control: set_epoch reshuffles
+
+
+def test_per_rank_seeded_dropout_breaks_the_replicas():
+    bad = launch(silent.replicated_dropout, "per rank", world_size=2, output="none")
+    assert len(set(bad[0]["hashes"])) == 2 and all(0.4 < r["kept"] < 0.6 for r in bad)
+    good = launch(silent.replicated_dropout, "shared", world_size=2, output="none")
+    assert len(set(good[0]["hashes"])) == 1  # control
+
+
+@pytest.mark.parametrize("drift", ["swap", "ulp"])
+def test_hashes_see_drift_that_norms_miss(drift):
+    runs = launch(silent.drifted_replica, drift, world_size=2, output="none")
+    assert len(set(runs[0]["hashes"])) == 2
+    if drift == "swap":
+        assert runs[0]["norm"] == runs[1]["norm"], "a swap keeps the norm: the norm check is blind to it"
+    same = launch(silent.drifted_replica, "none", world_size=2, output="none")
+    assert len(set(same[0]["hashes"])) == 1 and same[0]["norm"] == same[1]["norm"]  # control
