@@ -10,7 +10,7 @@ fit; nothing names the two calls that disagree.
 ``ProcessGroupWrapper``: before each collective, the ranks exchange a *fingerprint* of it (sequence
 number, op type, tensor shapes, dtypes and devices) over a separate gloo group, and a mismatch raises
 on every rank, naming both calls (PyTorch docs, "Debugging torch.distributed applications":
-https://docs.pytorch.org/docs/stable/distributed.html#torch-distributed-debug). The check costs one
+https://docs.pytorch.org/docs/stable/distributed.html#debugging-torch-distributed-applications). The check costs one
 extra collective per collective, so it is for debugging, not for production runs. The functions here
 set the level inside the rank (``torch.distributed.set_debug_level``), then create the group they
 use, so the notebook's own environment is left alone.
