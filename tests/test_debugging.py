@@ -9,7 +9,7 @@ from ddpkit.debug import flight, mismatch
 
 needs_fr = pytest.mark.skipif(not flight.available(), reason="this torch cannot dump a gloo Flight Recorder")
 
-NAMED = {"op": "Op type: ALLREDUCEvs BROADCAST", "shape": "Tensor shapes", "dtype": "Tensor dtypes"}
+NAMED = {"op": "Op type:", "shape": "Tensor shapes", "dtype": "Tensor dtypes"}
 
 
 @pytest.mark.parametrize("case", ["op", "shape", "dtype"])
@@ -18,7 +18,7 @@ def test_detail_names_the_mismatch_and_without_it_nothing_does(case):
     assert helped["raised"] and "Detected mismatch between collectives" in helped["root"]
     assert NAMED[case] in helped["root"] and "CollectiveFingerPrint" in helped["root"]
     # negative control: the same bug without DETAIL; no message names the two calls
-    alone = mismatch.outcome(mismatch.mismatched_collective, case, False, 1.0)
+    alone = mismatch.outcome(mismatch.mismatched_collective, case, False, 1.0, timeout=1.0)
     seen = alone["root"] + " ".join(alone["others"])
     assert alone["raised"] and "Detected mismatch" not in seen and "CollectiveFingerPrint" not in seen
     assert any(word in seen for word in ("Timed out", "Connection reset", "Connection closed", "SIGABRT")), seen
@@ -32,7 +32,7 @@ def test_detail_lets_agreeing_ranks_through():
 @needs_fr
 def test_flight_recorder_names_the_odd_rank_out(tmp_path):
     with flight.recording():
-        run = mismatch.outcome(mismatch.mismatched_collective, "op", False, 1.0, 1, str(tmp_path), world_size=3)
+        run = mismatch.outcome(mismatch.mismatched_collective, "op", False, 1.0, 1, str(tmp_path), world_size=3, timeout=1.0)
     assert run["raised"]
     found = flight.analyze(str(tmp_path))
     assert not found.ok and found.culprits == [1] and found.differing == {1: "gloo:broadcast"}
@@ -43,7 +43,7 @@ def test_flight_recorder_names_the_odd_rank_out(tmp_path):
 @needs_fr
 def test_flight_recorder_finds_nothing_when_ranks_agree(tmp_path):
     with flight.recording():
-        run = mismatch.outcome(mismatch.mismatched_collective, "none", False, 1.0, 1, str(tmp_path), world_size=3)
+        run = mismatch.outcome(mismatch.mismatched_collective, "none", False, 1.0, 1, str(tmp_path), world_size=3, timeout=1.0)
     assert not run["raised"]
     found = flight.analyze(str(tmp_path))
     assert found.ok and found.culprits == [] and len(set(found.issued.values())) == 1
@@ -52,7 +52,7 @@ def test_flight_recorder_finds_nothing_when_ranks_agree(tmp_path):
 @needs_fr
 def test_with_recording_off_the_rings_are_empty(tmp_path):
     with flight.recording(0):
-        run = mismatch.outcome(mismatch.mismatched_collective, "none", False, 1.0, 1, str(tmp_path))
+        run = mismatch.outcome(mismatch.mismatched_collective, "none", False, 1.0, 1, str(tmp_path), timeout=1.0)
     assert not run["raised"]
     assert all(not d["entries"] for d in flight.read_dumps(str(tmp_path)).values())
 
@@ -62,7 +62,7 @@ def test_gloo_dumps_need_their_group_table_fixed(tmp_path):
     from torch.distributed.flight_recorder.components.builder import build_groups_memberships
 
     with flight.recording():
-        mismatch.outcome(mismatch.mismatched_collective, "none", False, 1.0, 1, str(tmp_path))
+        mismatch.outcome(mismatch.mismatched_collective, "none", False, 1.0, 1, str(tmp_path), timeout=1.0)
     dumps = flight.read_dumps(str(tmp_path))
     assert all("" in d["pg_config"] for d in dumps.values()), "gloo leaves the table keyed ''"
     names = {e["process_group"][0] for d in dumps.values() for e in d["entries"]}

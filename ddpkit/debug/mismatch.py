@@ -38,14 +38,17 @@ def mismatched_collective(ctx, case: str, detail: bool, timeout_s: float, odd_ra
                           fr_folder: str | None = None) -> list[float]:
     """Every rank all-reduces a 4-element float32 tensor, except ``odd_rank``, whose call differs by ``case``.
 
-    With ``fr_folder``, each rank dumps its Flight Recorder there before raising, as a watchdog would.
+    Without ``detail`` the calls go to the world group (its timeout is the launch's); with it, to a new
+    group created after the debug level is set, with ``timeout_s``. With ``fr_folder``, each rank dumps
+    its Flight Recorder there before raising, as a watchdog would.
     """
     if case not in CASES:
         raise ValueError(f"case must be one of {', '.join(CASES)}, got {case!r}")
+    group = ctx.world_group  # created by the launcher, with the launch's timeout
     if detail:
         dist.set_debug_level(dist.DebugLevel.DETAIL)  # groups created from now on are wrapped
-    group = dist.new_group(list(range(ctx.world_size)), timeout=datetime.timedelta(seconds=timeout_s),
-                           backend="gloo")
+        group = dist.new_group(list(range(ctx.world_size)), timeout=datetime.timedelta(seconds=timeout_s),
+                               backend="gloo")
     tensor = torch.ones(4)
     odd = ctx.rank == odd_rank
     try:
