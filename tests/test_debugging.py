@@ -136,3 +136,32 @@ def test_hashes_see_drift_that_norms_miss(drift):
         assert runs[0]["norm"] == runs[1]["norm"], "a swap keeps the norm: the norm check is blind to it"
     same = launch(silent.drifted_replica, "none", world_size=2, output="none")
     assert len(set(same[0]["hashes"])) == 1 and same[0]["norm"] == same[1]["norm"]  # control
+
+
+# --- where the time goes: the profiler on real DDP ranks ---------------------------------------------------
+
+import json  # noqa: E402
+
+from ddpkit.debug import timeline  # noqa: E402
+
+
+def test_interval_arithmetic():
+    compute = timeline._union([(0.0, 1.0), (0.5, 2.0), (3.0, 4.0)])
+    assert compute == [(0.0, 2.0), (3.0, 4.0)]
+    assert timeline.overlapped_fraction(compute, [(1.5, 3.5)]) == pytest.approx(0.5)
+    assert timeline.overlapped_fraction(compute, [(2.0, 3.0)]) == 0.0
+
+
+def test_ddp_hides_communication_behind_backward_and_a_loop_after_backward_does_not(tmp_path):
+    fractions, paths = {}, {}
+    for mode in timeline.MODES:
+        paths[mode] = launch(timeline.profiled_steps, mode, str(tmp_path), world_size=2, output="none")
+        spans = [timeline.intervals(p) for p in paths[mode]]
+        assert all(s["comm"] and s["compute"] and s["comm_threads"] >= 1 for s in spans)
+        fractions[mode] = [timeline.overlapped_fraction(s["compute"], s["comm"]) for s in spans]
+    assert max(fractions["after backward"]) == 0.0, "control: nothing runs while the loop waits"
+    assert min(fractions["ddp"]) > 0.02, fractions
+    names = {e["name"] for e in json.load(open(paths["ddp"][0]))["traceEvents"] if e.get("ph") == "X"}
+    assert {"c10d::allreduce_", "gloo:all_reduce"} <= names
+    merged = json.load(open(timeline.merge_traces(paths["ddp"], str(tmp_path / "ddp.trace.json"))))
+    assert {e["args"]["name"] for e in merged["traceEvents"] if e.get("name") == "process_name"} == {"rank 0", "rank 1"}
