@@ -260,7 +260,9 @@ def check_20(records):
     assert replicas["dropout_per_rank"] == 2 and replicas["dropout_shared"] == 1
     swap = next(r for r in replicas["drift"] if r["rank 1's weights"] == "swap")
     assert swap["norms equal"] and not swap["hashes equal"]
-    assert len(records["playbook"]) == 7 and all(records["playbook"].values())
+    timeline = records["timeline"]
+    assert max(timeline["after_backward"]) == 0.0 and min(timeline["ddp"]) > 0.02
+    assert len(records["playbook"]) == 8 and all(records["playbook"].values())
 
 
 CHECKS = {"01": check_01, "02": check_02, "03": check_03, "04": check_04, "05": check_05, "06": check_06, "07": check_07, "08": check_08,
