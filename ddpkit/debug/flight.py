@@ -184,8 +184,13 @@ def analyze(folder: str) -> Finding:
         return Finding(False, coll.collective_seq_id, coll.collective_name,
                        {r: c.collective_name for r, c in mism.items()},
                        {r: c.type_of_mismatch.state.name if c.type_of_mismatch else "" for r, c in mism.items()},
-                       sorted(coll.missing_ranks or ()), issued, report.getvalue())
-    return Finding(True, issued=issued, report=report.getvalue())
+                       sorted(coll.missing_ranks or ()), issued, _findings_only(report.getvalue()))
+    return Finding(True, issued=issued, report=_findings_only(report.getvalue()))
+
+
+def _findings_only(report: str) -> str:
+    """The analyzer's text without its warning that the optional table printer (tabulate) is missing."""
+    return "\n".join(line for line in report.splitlines() if not line.startswith("tabulate is not installed"))
 
 
 def stall_summary(folder: str, max_chars: int = 400) -> str:
