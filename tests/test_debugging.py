@@ -41,6 +41,22 @@ def test_flight_recorder_names_the_odd_rank_out(tmp_path):
 
 
 @needs_fr
+def test_torchfrtrace_reads_the_fixed_dumps_and_not_the_raw_ones(tmp_path):
+    import subprocess
+    import sys
+
+    raw_dir = tmp_path / "raw"
+    with flight.recording():
+        mismatch.outcome(mismatch.mismatched_collective, "op", False, 1.0, 1, str(raw_dir), world_size=3, timeout=1.0)
+    fixed = flight.write_fixed(str(raw_dir), str(tmp_path / "fixed"))
+    cli = [sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace"]
+    good = subprocess.run([*cli, fixed], capture_output=True, text=True, timeout=120)
+    assert good.returncode == 0 and "Culprit rank 1" in good.stdout + good.stderr
+    bad = subprocess.run([*cli, str(raw_dir)], capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "KeyError" in bad.stderr  # control: gloo's raw table
+
+
+@needs_fr
 def test_flight_recorder_finds_nothing_when_ranks_agree(tmp_path):
     with flight.recording():
         run = mismatch.outcome(mismatch.mismatched_collective, "none", False, 1.0, 1, str(tmp_path), world_size=3, timeout=1.0)

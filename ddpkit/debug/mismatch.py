@@ -112,7 +112,7 @@ def outcome(fn, *args, world_size: int = 2, timeout: float = 5.0, **kwargs) -> d
     return {"raised": False, "results": results, "seconds": time.monotonic() - started}
 
 
-def _logs(folder: str, tail: int = 2000) -> dict[int, str]:
+def _logs(folder: str, tail: int = 16_000) -> dict[int, str]:
     """The end of each rank's log in a failed launch's folder (the C++ messages are only there)."""
     logs = {}
     for rank in range(64):
