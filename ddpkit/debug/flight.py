@@ -11,12 +11,13 @@ by sequence number and reports the first collective that the ranks do not all ag
 op, size or dtype on some rank, or a rank that never issued it. See PyTorch's tutorial "Flight
 Recorder for Debugging Stuck Jobs" (https://docs.pytorch.org/tutorials/unstable/flight_recorder_tutorial.html).
 
-Two details of gloo dumps (torch 2.13) that the analyzer does not expect, fixed by :func:`gloo_pg_config`:
-the process-group table (``pg_config``) is filled in by ProcessGroupNCCL when it creates a
-communicator (see ``build_groups_memberships`` in the analyzer), so a gloo rank dumps one placeholder
-entry keyed ``''`` instead of its groups' names; the analyzer then finds no group named ``'0'`` (the
-name of the default group that every entry carries) and fails. And the analyzer reads dumps with
-``pickle.load``; here they are read by an unpickler that accepts plain data only.
+Two details of gloo dumps (torch 2.13) that the analyzer does not expect, handled by :func:`gloo_pg_config`:
+the process-group table (``pg_config``) of a gloo rank's dump holds a single entry keyed ``''``, while
+every recorded collective names its group (``'0'`` for the default group). The analyzer looks groups
+up by that name (its ``build_groups_memberships`` describes a table that the NCCL backend fills in as
+it creates communicators), so it fails with a ``KeyError`` on gloo dumps as they are.
+And the analyzer reads dumps with ``pickle.load``; here they are read by an unpickler that accepts
+plain data only.
 
 With two ranks, "the culprit" is a coin toss: the analyzer compares every rank with the first one and
 blames the rank that differs, so with ranks 0 and 1 it blames rank 1 whichever of them is wrong. With
@@ -117,12 +118,11 @@ def read_dumps(folder: str) -> dict[int, dict]:
 def gloo_pg_config(dump: dict, world: list[int]) -> dict:
     """``dump`` with its process-group table keyed by group name, as the analyzer expects.
 
-    On gloo, ``pg_config`` holds a single entry keyed ``''`` (the table is meant to be filled in by
-    ProcessGroupNCCL as it creates communicators), while every recorded collective names its group:
-    ``'0'`` for the default group, ``'1'``, ``'2'``... for groups made later. The analyzer looks groups
-    up by that name and fails with a ``KeyError`` on ``''``; so the placeholder becomes ``'0'``, and
-    every group the entries name gets an entry. Ranks: the placeholder's list when it has one, else
-    ``world`` (``new_group()`` without ranks records ``[]``, meaning every rank).
+    On gloo, ``pg_config`` holds a single entry keyed ``''``, while every recorded collective names its
+    group: ``'0'`` for the default group, ``'1'``, ``'2'``... for groups made later. The analyzer looks
+    groups up by that name and fails with a ``KeyError``; so the placeholder becomes ``'0'``, and every
+    group the entries name gets an entry. Ranks: the placeholder's list when it has one, else ``world``
+    (a group made by ``new_group()`` without ranks was dumped with ``[]``, which means every rank).
     """
     config = dict(dump["pg_config"])
     placeholder = config.pop("", None)
