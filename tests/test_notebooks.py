@@ -261,7 +261,7 @@ def check_20(records):
     swap = next(r for r in replicas["drift"] if r["rank 1's weights"] == "swap")
     assert swap["norms equal"] and not swap["hashes equal"]
     timeline = records["timeline"]
-    assert max(timeline["after_backward"]) == 0.0 and min(timeline["ddp"]) > 0.02
+    assert max(timeline["after_backward"]) == 0.0 and max(timeline["ddp"]) > 0.02
     assert len(records["playbook"]) == 8 and all(records["playbook"].values())
 
 

@@ -27,6 +27,7 @@ three or more, the odd one out is the rank that differs from the others.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import io
 import logging
 import os
@@ -46,14 +47,16 @@ _LOGGER = "Flight Recorder"  # the analyzer reports through this logger
 
 
 def available() -> bool:
-    """True when this torch can dump a gloo rank's Flight Recorder (torch 2.6 and later)."""
-    return hasattr(torch._C._distributed_c10d, "_dump_fr_trace")
+    """True when this torch can dump a gloo rank's Flight Recorder and ships the analyzer."""
+    return (hasattr(torch._C._distributed_c10d, "_dump_fr_trace")
+            and importlib.util.find_spec("torch.distributed.flight_recorder") is not None)
 
 
 def require() -> None:
     if not available():
-        raise RuntimeError(f"torch {torch.__version__} cannot dump the Flight Recorder of gloo ranks "
-                           "(torch._C._distributed_c10d._dump_fr_trace is missing): upgrade torch to 2.6 or later")
+        raise RuntimeError(f"torch {torch.__version__} cannot dump or analyze the Flight Recorder of gloo ranks "
+                           "(torch._C._distributed_c10d._dump_fr_trace or torch.distributed.flight_recorder is "
+                           "missing): use a newer torch for this lesson")
 
 
 @contextlib.contextmanager

@@ -30,7 +30,7 @@ COMM = "gloo:all_reduce"
 MODES = ("ddp", "after backward")
 
 
-def profiled_steps(ctx, mode: str, folder: str, steps: int = 2, width: int = 384, depth: int = 6,
+def profiled_steps(ctx, mode: str, folder: str, steps: int = 3, width: int = 384, depth: int = 6,
                    batch: int = 256, bucket_cap_mb: float = 0.5) -> str:
     """Train an MLP for ``steps`` profiled steps (after two warm-up steps); write this rank's trace.
 
