@@ -275,10 +275,30 @@ def check_18(records):
     assert all(abs(d - b) <= 0.35 * b for d, b in zip(cost["dispatch"], cost["balanced"])) and cost["bandwidth"] > 0
 
 
+def check_20(records):
+    assert all(records["without_help"][case] for case in ("op", "shape", "dtype"))
+    assert set(records["detail"]["cases"]) == {"op", "shape", "dtype"} and records["detail"]["control_ok"]
+    fr = records["flight"]
+    assert fr["culprits"] == [1] and fr["differing"] == {"1": "gloo:broadcast"} and fr["raw_keys"] == [""]
+    skipped = records["skipped"]
+    assert skipped["stalled_rank"] == 1 and skipped["missing"] == [1] and skipped["summary_names_rank"]
+    assert skipped["issued"]["0"] == skipped["issued"]["1"] + 1
+    samplers = records["samplers"]
+    assert samplers["duplicates"] > 0 and samplers["fixed_ok"]
+    assert samplers["repeat_without_set_epoch"] and not samplers["repeat_with_set_epoch"]
+    replicas = records["replicas"]
+    assert replicas["dropout_per_rank"] == 2 and replicas["dropout_shared"] == 1
+    swap = next(r for r in replicas["drift"] if r["rank 1's weights"] == "swap")
+    assert swap["norms equal"] and not swap["hashes equal"]
+    timeline = records["timeline"]
+    assert max(timeline["after_backward"]) == 0.0 and max(timeline["ddp"]) > 0.02
+    assert len(records["playbook"]) == 8 and all(records["playbook"].values())
+
+
 CHECKS = {"01": check_01, "02": check_02, "03": check_03, "04": check_04, "05": check_05, "06": check_06, "07": check_07, "08": check_08,
           "09": check_09, "10": check_10, "11": check_11, "12": check_12,
           "13": check_13, "14": check_14, "15": check_15, "16": check_16,
-          "17": check_17, "18": check_18, "19": check_19}
+          "17": check_17, "18": check_18, "19": check_19, "20": check_20}
 
 
 def test_every_notebook_has_a_results_check():
