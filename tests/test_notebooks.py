@@ -20,6 +20,9 @@ RUNTIMES = REPO / "benchmarks" / "results" / "notebook_runtimes.json"
 def check_01(records):
     assert records["digest"] == {"hash_values": 3, "sha256_values": 1}
     assert records["topology"]["data_sha256"] == 1 and records["topology"]["max_loss_diff"] < 1e-4
+    scaling = records["lr_scaling"]
+    assert scaling["lr x 1"] > 2 * scaling["reference"] and scaling["best"] != "lr x 1"
+    assert abs(scaling[scaling["best"]] - scaling["reference"]) < 0.5 * scaling["reference"]
 
 
 def check_02(records):
@@ -33,6 +36,14 @@ def check_02(records):
     assert wrong["last_loss"] < wrong["first_loss"], "the broken run's loss falls too: that is the lesson"
     moved = records["resume_new_world"]
     assert moved["resumed"] == moved["reference"] and moved["max_loss_gap"] < 1e-4
+    assert all(d["num_replicas"] == len(records["sampler_defaults"]) and d["sampler_rank"] == d["rank"]
+               for d in records["sampler_defaults"])
+    assert records["loader_set_epoch"] == {"without": True, "with": False}
+    padded = records["padded_eval"]
+    assert padded["ids"] > padded["samples"] and padded["padded_mean"] != padded["true_mean"]
+    assert abs(padded["fixed_mean"] - padded["true_mean"]) < 1e-6
+    assert records["worker_seeds"] == {"same_seed_ranks_equal": True, "own_rng_workers_equal": True,
+                                       "fixed_ranks_equal": False, "fixed_workers_equal": False}
 
 
 def check_03(records):
