@@ -60,6 +60,15 @@ def check_03(records):
     assert set(buffers["True"]) == {0.0} and buffers["False"] == [float(r) for r in range(len(buffers["False"]))]
     unused = records["find_unused_parameters"]
     assert unused["True"].startswith("trained") and "Expected to have finished reduction" in unused["False"]
+    autocast = records["autocast_bytes"]
+    assert autocast["logits"] == "torch.bfloat16"
+    assert autocast["parameters"] + autocast["gradients"] + autocast["optimizer state"] == 16 * autocast["params"]
+    assert records["buffer_sync_per_forward"] == {  # the records are stored with sorted keys: compare by name
+        "train 1": True, "train 2": True, "no_sync 1": True, "no_sync 2": False, "last micro-batch": False,
+        "eval 1 (no_grad)": True, "eval 2 (no_grad)": False, "train after eval": False}
+    static = records["static_graph"]
+    assert static["static_graph"] == static["find_unused_parameters"] == "trained 3 steps"
+    assert "Expected to have finished reduction" in static["neither"]
 
 
 def check_04(records):
