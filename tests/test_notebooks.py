@@ -82,7 +82,8 @@ def check_04(records):
     assert len({tuple(p["peers"]) for p in peers}) == 1 and sorted(p["checked_in"] for p in peers) == list(range(1, len(peers) + 1))
     seen = records["local_rank_env"]
     assert [line.split()[0] for line in seen] == [f"LOCAL_RANK={r}" for r in range(len(table))]
-    assert all(line.endswith("argv=[]") for line in seen)
+    assert all("argv=[] " in line and "TORCHELASTIC_USE_AGENT_STORE=True" in line for line in seen)
+    assert all("OMP_NUM_THREADS=1 " in line for line in seen), "torchrun sets one thread per worker with nproc-per-node > 1"
 
 
 def check_05(records):
