@@ -160,6 +160,8 @@ def check_08(records):
     kill = records["kill"]
     assert kill["rank"] == 1 and kill["kind"] == "killed" and kill["exc_type"] == "SIGKILL"
     assert kill["report"].count("SIGKILL") == 1, kill["report"]
+    if kill["backend"] == "gloo":
+        assert kill["survivor_after_kill_s"] and all(abs(t) < kill["timeout_s"] / 2 for t in kill["survivor_after_kill_s"])
     assert records["restart"]["lost_steps"] > 0
     assert records["cli_restart"]["returncode"] == 0
     for name in ("restart", "cli_restart", "torchrun_restart"):  # the notebook's defaults run all three
