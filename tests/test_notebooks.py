@@ -152,7 +152,8 @@ def check_07(records):
     assert records["logs"]["last_loss"] < records["logs"]["first_loss"]
     assert records["phases"]["data_share"]["slow data"] > 0.5 > records["phases"]["data_share"]["baseline"]
     assert records["comm"]["remainder_ms"] < 0.25 * records["comm"]["comm_ms"] < records["comm"]["backward_ms"]
-    assert min(records["spikes"]["save_step_ms"]) > 1.5 * records["spikes"]["plain_ms"]
+    spikes, plain = sorted(records["spikes"]["save_step_ms"]), records["spikes"]["plain_ms"]
+    assert spikes[len(spikes) // 2] > 1.5 * plain and sum(t > 1.5 * plain for t in spikes) >= len(spikes) / 2
     straggler = records["straggler"]
     assert straggler["1"]["data_s"] > 0.8 * straggler["slow_ms"] and straggler["0"]["step_time_s"] > 0.6 * straggler["slow_ms"]
     kept = records["persistent_workers"]
