@@ -182,6 +182,8 @@ WRONG = {  # a phrase that was written, and why it is wrong
     "waiting for a peer that no longer exists": "on gloo the survivor fails at once",
     "not PyTorch's 30 minutes": "NCCL's default is 10 minutes",
     "so a malicious checkpoint cannot run code": "weights_only=True had code-execution advisories",
+    "PyTorch's default is 30 minutes": "NCCL's default is 10 minutes",
+    "or torchrun, which sets 1 too": "torchrun sets it only for nproc-per-node > 1",
 }
 
 
