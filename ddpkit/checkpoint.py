@@ -21,8 +21,12 @@ checkpoint, and whether a resume may use it, is ``state.py``'s business). The pr
   written. A checkpoint counts among the kept ones only once its content verifies (every file's
   sha256, not only its size), so a bit-rotted one can never push a good older one out. Re-saving a step
   swaps folders with two renames, and a crash between them is recovered, not pruned.
-* **Data, not code**: files are read with ``torch.load(weights_only=True)``, which refuses arbitrary
-  pickled objects, so a malicious checkpoint cannot run code.
+* **Data, not code**: files are read with ``torch.load(weights_only=True)``, whose unpickler builds only
+  tensors, plain containers and an allow-list of types, and refuses any other pickled object (so an
+  ordinary pickled class or function in the file is refused, not run). It is not a sandbox: torch's own
+  docs say never to load data from an untrusted source, and ``weights_only=True`` itself had
+  code-execution advisories in releases this kit supports (:data:`WEIGHTS_ONLY_ADVISORIES`), so
+  :func:`load` warns in one line under such a release. Load only checkpoints you or your jobs wrote.
 """
 
 from __future__ import annotations
@@ -341,9 +345,26 @@ def resume_point(root: str | Path, deep: bool = True, set_newer_aside: bool = Tr
     return None
 
 
+# Published advisories against torch.load(weights_only=True) itself: (first fixed release, advisory).
+WEIGHTS_ONLY_ADVISORIES = (
+    ((2, 6), "GHSA-53q9-r3pm-6pq6 (CVE-2025-32434)"),  # torch <= 2.5.1: a crafted file runs code
+    ((2, 10), "GHSA-63cw-57p8-fm3p (CVE-2026-24747)"),  # torch < 2.10: memory corruption, possible code execution
+)
+
+
+def weights_only_advisories(version: str | None = None) -> list[str]:
+    """The advisories in :data:`WEIGHTS_ONLY_ADVISORIES` that affect ``version`` (default: this torch)."""
+    numbers = re.findall(r"\d+", (version or torch.__version__).split("+")[0])
+    release = tuple(int(n) for n in numbers[:2])
+    return [name for fixed_in, name in WEIGHTS_ONLY_ADVISORIES if release < fixed_in]
+
+
 def load(path: str | Path) -> dict:
     """Read a verified checkpoint as plain data. Refuses anything that is not tensors and containers."""
     path = Path(path)
+    if advisories := weights_only_advisories():
+        warnings.warn(f"torch {torch.__version__} has known weights_only loading advisories ({', '.join(advisories)}): "
+                      "load only checkpoints you wrote, or upgrade torch to 2.10 or newer", CheckpointWarning, stacklevel=2)
     problem = verify(path)
     if problem:
         raise CheckpointError(f"checkpoint {path.name} does not verify: {problem}")

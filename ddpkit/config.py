@@ -143,7 +143,7 @@ class TrainConfig:
     max_restarts: int = runtime(0)
     """On a rank failure, restart the whole world from the newest good checkpoint up to N times."""
     timeout: float = runtime(30.0)
-    """Seconds a collective may wait before raising (PyTorch's default is 30 minutes); a training step
+    """Seconds a collective may wait before raising (PyTorch's defaults: 10 minutes on NCCL, 30 on gloo); a training step
     that takes this long plus a margin stops its rank (the stall limit: nothing waits forever)."""
     save_timeout: float = runtime(600.0)
     """Seconds a checkpoint save may take (the write, and every rank's wait until it is durable), apart

@@ -14,8 +14,9 @@ Naming, as in PyTorch's own docs: ``rank`` is global, ``local_rank`` indexes dev
 Two rules that keep numerics and GPUs honest:
 
 * **Threads**: every rank runs **one** intra-op thread unless ``OMP_NUM_THREADS`` says otherwise,
-  whoever started it (the ddpkit launcher, fork or spawn, or torchrun, which sets 1 too), so the same
-  config gives the same bits however it was launched. A *forked* rank always runs one: GNU OpenMP's
+  whoever started it (the ddpkit launcher, fork or spawn, or torchrun, which itself sets ``OMP_NUM_THREADS=1`` only
+  when it is unset and ``--nproc-per-node`` > 1), so the same config gives the same bits however it was
+  launched. A *forked* rank always runs one: GNU OpenMP's
   thread pool does not survive ``fork`` (a child that opens a parallel region after the parent used
   one hangs in a futex).
 * **GPUs are counted without initialising CUDA** (through NVML, as ``torch.cuda.device_count`` does).
@@ -45,7 +46,7 @@ from ddpkit.parallel.dims import ParallelDims
 BACKENDS = ("auto", "gloo", "nccl")
 
 DEFAULT_TIMEOUT_S = 30.0  # collective timeout: long enough for a CPU step, short enough for a notebook
-"""PyTorch's default is 30 minutes, which in a notebook looks exactly like a hang. Teaching runs want a
+"""PyTorch's defaults (10 minutes on NCCL, 30 on gloo) look exactly like a hang in a notebook. Teaching runs want a
 stuck collective to raise within seconds, naming what it waited for."""
 
 

@@ -1,13 +1,19 @@
 """Distributed data parallel: a full replica of the model on every rank, gradients averaged by all-reduce.
 
 ``torch.nn.parallel.DistributedDataParallel`` (DDP) broadcasts rank 0's parameters when it wraps the
-model, then, during every ``backward``, all-reduces gradients in **buckets** (about 25 MiB each,
-filled in the order gradients become ready, so communication overlaps the rest of backward) and
-divides them by the number of replicas. Every replica then takes the same optimizer step and the
-replicas stay bitwise identical, with no further communication.
+model, then, during every ``backward``, divides each gradient by the number of replicas as it copies
+it into its **bucket** (about 25 MiB each, filled in the order gradients become ready) and
+all-reduces (SUM) each bucket as soon as it is full, so communication overlaps the rest of backward;
+dividing first avoids overflow, "especially for FP16" (torch's ``default_hooks.py``). Every replica
+then takes the same optimizer step and the replicas stay bitwise identical, with no further
+communication.
 
-``gradient_as_bucket_view=True``: gradients *are* slices of the all-reduce buckets (no copy in or out,
-lower peak memory); they must not be detached or replaced in place by user code.
+``gradient_as_bucket_view=True``: gradients *are* slices of the all-reduce buckets, so one copy of
+the gradients is alive instead of two and nothing is copied back out. The copy *in* is saved only while
+``.grad`` survives between steps: with ``zero_grad(set_to_none=True)``, which the trainer uses, autograd
+writes each gradient into fresh memory every backward and DDP copies it into its bucket (DDP's own
+docstring says so under ``batched_grad_copy``; notebook 05 measures it). The gradients must not be
+detached or replaced in place by user code.
 
 One subtlety matters for exact resume. DDP starts with all parameters in **one** bucket, and after
 the first backward of each process it **rebuilds** the buckets in the order gradients actually became

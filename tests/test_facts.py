@@ -1,0 +1,203 @@
+"""What the lessons say about PyTorch, checked against the installed torch, and the wrong wording kept out.
+
+Each test states one fact a notebook, the README or a docstring teaches, with the source it comes from,
+and checks it against this torch (on real ranks where the fact is about ranks). If a torch release
+changes the fact, the test fails and the sentence must be revisited. The last tests grep the kit's
+text for sentences that were wrong, so they cannot come back.
+"""
+
+import inspect
+import re
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, DistributedSampler
+
+from ddpkit import checkpoint, launch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _sampler_defaults(ctx):
+    sampler = DistributedSampler(range(10))
+    return sampler.num_replicas, sampler.rank
+
+
+def test_distributed_sampler_reads_world_size_and_rank_from_the_group():
+    """02: left at their defaults, num_replicas and rank come from the process group."""
+    assert launch(_sampler_defaults, world_size=2, output="none") == [(2, 0), (2, 1)]
+
+
+def test_drop_last_false_pads_with_repeated_samples():
+    """02: an evaluation sampler hands out more ids than samples; the extra ones are repeats."""
+    ids = [i for rank in range(2) for i in DistributedSampler(range(11), num_replicas=2, rank=rank)]
+    assert len(ids) == 12 and set(ids) == set(range(11))
+    dropped = [i for rank in range(2) for i in DistributedSampler(range(11), num_replicas=2, rank=rank, drop_last=True)]
+    assert len(dropped) == 10 and len(set(dropped)) == 10  # the negative control: no padding, no repeats
+
+
+def test_the_dataloader_never_calls_set_epoch():
+    """02: iterating a DataLoader leaves the sampler's epoch alone; only the loop advances it."""
+    sampler = DistributedSampler(range(8), num_replicas=2, rank=0)
+    loader = DataLoader(range(8), batch_size=None, sampler=sampler)
+    orders = [list(loader) for _ in range(2)]
+    assert sampler.epoch == 0 and orders[0] == orders[1]
+    sampler.set_epoch(1)
+    assert list(loader) != orders[0]
+
+
+def _ddp_buffer_warning(ctx):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        DDP(torch.nn.BatchNorm1d(2), broadcast_buffers=True)
+    return [str(w.category.__name__) + ": " + str(w.message) for w in caught]
+
+
+def test_broadcast_buffers_is_deprecated_where_forward_sync_buffers_exists():
+    """03: torch 2.13 renames the switch; the old name warns."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    has_new_name = "forward_sync_buffers" in inspect.signature(DDP).parameters
+    caught = launch(_ddp_buffer_warning, world_size=1, output="none")[0]
+    assert has_new_name == any("FutureWarning" in w and "forward_sync_buffers" in w for w in caught)
+
+
+def test_autocast_keeps_weights_and_gradients_in_fp32():
+    """03, 05: autocast casts per matmul; the parameters, their gradients and Adam's state stay fp32."""
+    model = torch.nn.Linear(8, 4)
+    optimizer = torch.optim.AdamW(model.parameters())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(torch.randn(2, 8))
+    out.float().sum().backward()
+    optimizer.step()
+    assert out.dtype == torch.bfloat16
+    held = [*model.parameters(), *(p.grad for p in model.parameters()),
+            *(t for s in optimizer.state.values() for k, t in s.items() if k != "step")]
+    assert {t.dtype for t in held} == {torch.float32}
+
+
+def test_fp16_rounds_to_zero_at_half_the_smallest_subnormal():
+    """05: 2^-24 is fp16's smallest subnormal, 2^-14 its smallest normal; 2^-25 rounds (to even) to 0."""
+    as_fp16 = lambda v: torch.tensor(v).to(torch.float16).item()
+    assert as_fp16(2.0**-24) == 2.0**-24 and as_fp16(2.0**-25) == 0.0 and as_fp16(1.01 * 2.0**-25) == 2.0**-24
+    assert torch.finfo(torch.float16).tiny == 2.0**-14
+
+
+def test_ddp_divides_before_it_sums():
+    """04: DDP's reference hook divides by the world size first, and says why."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    source = inspect.getsource(default_hooks._allreduce_fut)
+    assert "avoid overflow" in source and source.index("div_") < source.index("all_reduce(")
+
+
+def test_torchrun_sets_one_omp_thread_only_for_several_processes_per_node():
+    """04, README: torchrun sets OMP_NUM_THREADS=1 only when it is unset and nproc-per-node > 1."""
+    import torch.distributed.run as run
+
+    assert re.search(r'"OMP_NUM_THREADS" not in os\.environ and nproc_per_node > 1', inspect.getsource(run))
+
+
+def test_torchrun_workers_are_clients_of_the_agents_store():
+    """04: under TORCHELASTIC_USE_AGENT_STORE=True every rank, rank 0 included, is a TCPStore client."""
+    import importlib
+
+    rendezvous = importlib.import_module("torch.distributed.rendezvous")  # the package re-exports a function of that name
+    source = inspect.getsource(rendezvous._create_c10d_store)
+    agent_branch = source[source.index("if _torchelastic_use_agent_store()"):source.index("else:")]
+    assert "is_master=False" in agent_branch
+
+
+def test_default_collective_timeouts_are_10_minutes_on_nccl_and_30_elsewhere():
+    """04, 08, README: the defaults a hang waits for."""
+    from datetime import timedelta
+
+    from torch.distributed import constants
+
+    assert constants.default_pg_timeout == timedelta(minutes=30)
+    assert "Default value is 10 minutes for NCCL and 30 minutes for other backends" in inspect.getdoc(dist.init_process_group)
+
+
+def test_bf16_below_compute_capability_8_counts_as_emulated():
+    """05: is_bf16_supported(including_emulation=False) checks the capability's major number against 8."""
+    source = inspect.getsource(torch.cuda.is_bf16_supported)
+    assert "including_emulation" in inspect.signature(torch.cuda.is_bf16_supported).parameters
+    assert ".major >= 8" in source
+
+
+def test_tf32_is_off_by_default_and_one_switch_with_allow_tf32():
+    """05: 'highest' (the default) forbids TF32 on CUDA; 'high' allows it."""
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("high")
+        assert torch.backends.cuda.matmul.allow_tf32
+        torch.set_float32_matmul_precision("highest")
+        assert not torch.backends.cuda.matmul.allow_tf32
+    finally:
+        torch.set_float32_matmul_precision(before)
+    assert before == "highest"
+
+
+@pytest.mark.parametrize("version, expected", [("2.4.1", 2), ("2.5.1+cu121", 2), ("2.6.0", 1), ("2.9.1", 1),
+                                               ("2.10.0", 0), ("2.13.0+cpu", 0)])
+def test_weights_only_advisories_cover_the_supported_range(version, expected):
+    """checkpoint.py: GHSA-53q9-r3pm-6pq6 (torch <= 2.5.1) and GHSA-63cw-57p8-fm3p (torch < 2.10)."""
+    assert len(checkpoint.weights_only_advisories(version)) == expected
+
+
+def test_loading_under_a_torch_with_an_advisory_warns_once_in_one_line(tmp_path, monkeypatch):
+    checkpoint.save(tmp_path, 1, {"w": torch.ones(2)})
+    path = checkpoint.latest_good(tmp_path)
+    for version, warns in (("2.13.0", False), ("2.5.1", True)):  # the negative control first: no advisory, no warning
+        monkeypatch.setattr(torch, "__version__", version)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert torch.equal(checkpoint.load(path)["w"], torch.ones(2))
+        lines = [str(w.message) for w in caught if "advisor" in str(w.message)]
+        assert bool(lines) == warns and all("\n" not in line for line in lines)
+
+
+# ------------------------------------------------------------------ wording that was wrong, kept out
+
+WRONG = {  # a phrase that was written, and why it is wrong
+    "a classic slip: `num_replicas` left at its default": "DistributedSampler defaults to the group's world size",
+    "at the start of every forward": "buffers sync only after a syncing training forward",
+    "rank 0's buffers again at every forward": "buffers sync only after a syncing training forward",
+    "2 + 2 + 12 with the fp32 master copy": "autocast keeps fp32 weights: 4 + 4 + 8, no master copy",
+    "until torch 2.7 added it": "gloo's ReduceOp.AVG came after the 2.7 branch cut (torch 2.8)",
+    "so it works on every backend": "torch divides first to avoid fp16 overflow",
+    "a small key-value server run by rank 0": "under torchrun the agent hosts the store",
+    "a rank that has not chosen one uses `cuda:0`": "collectives use the tensor's device, barrier device_id",
+    "unless you set `OMP_NUM_THREADS`, as torchrun does": "torchrun sets it only for nproc-per-node > 1",
+    "or torchrun, which does the same": "torchrun sets it only for nproc-per-node > 1",
+    "the update shrinks by the scale factor": "true for SGD, not for AdamW",
+    "values below about 6e-8 flush to zero": "fp16 rounds to nearest: at or below 2^-25 becomes 0",
+    "A T4 runs bf16 autocast without them": "below capability 8.0 bf16 is emulated",
+    "no copy in or out": "with set_to_none=True each gradient is copied into its bucket every step",
+    "waiting for a peer that no longer exists": "on gloo the survivor fails at once",
+    "not PyTorch's 30 minutes": "NCCL's default is 10 minutes",
+    "so a malicious checkpoint cannot run code": "weights_only=True had code-execution advisories",
+    "PyTorch's default is 30 minutes": "NCCL's default is 10 minutes",
+    "or torchrun, which sets 1 too": "torchrun sets it only for nproc-per-node > 1",
+}
+
+
+def _kit_text() -> dict[str, str]:
+    import nbformat
+
+    texts = {"README.md": (REPO / "README.md").read_text()}
+    for path in sorted((REPO / "notebooks").glob("0[1-8]_*.ipynb")):  # the core lessons (09-16 have their own pass)
+        texts[path.name] = "\n".join(c.source for c in nbformat.read(path, as_version=4).cells)
+    for path in sorted((REPO / "ddpkit").rglob("*.py")):
+        texts[str(path.relative_to(REPO))] = path.read_text()
+    return texts
+
+
+def test_corrected_wording_does_not_come_back():
+    found = [(name, phrase, why) for name, text in _kit_text().items() for phrase, why in WRONG.items() if phrase in text]
+    assert not found, found
