@@ -359,12 +359,18 @@ def weights_only_advisories(version: str | None = None) -> list[str]:
     return [name for fixed_in, name in WEIGHTS_ONLY_ADVISORIES if release < fixed_in]
 
 
+def warn_if_advisories(stacklevel: int = 2) -> None:
+    """One warning line before a ``weights_only`` load under a torch release with a known advisory."""
+    if advisories := weights_only_advisories():
+        warnings.warn(f"torch {torch.__version__} has known weights_only loading advisories ({', '.join(advisories)}): "
+                      "load only checkpoints you wrote, or upgrade torch to 2.10 or newer", CheckpointWarning,
+                      stacklevel=stacklevel)
+
+
 def load(path: str | Path) -> dict:
     """Read a verified checkpoint as plain data. Refuses anything that is not tensors and containers."""
     path = Path(path)
-    if advisories := weights_only_advisories():
-        warnings.warn(f"torch {torch.__version__} has known weights_only loading advisories ({', '.join(advisories)}): "
-                      "load only checkpoints you wrote, or upgrade torch to 2.10 or newer", CheckpointWarning, stacklevel=2)
+    warn_if_advisories(stacklevel=3)
     problem = verify(path)
     if problem:
         raise CheckpointError(f"checkpoint {path.name} does not verify: {problem}")

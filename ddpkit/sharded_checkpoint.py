@@ -140,6 +140,7 @@ def load(ctx, path: str | Path, model_state: dict, optimizer_state: dict) -> dic
     require_chunks(tensors)
     reader = SafeReader(str(path))
     dcp.load(tensors, storage_reader=reader, process_group=_world(ctx))
+    checkpoint.warn_if_advisories(stacklevel=3)
     extra = torch.load(path / EXTRA_FILE, map_location="cpu", weights_only=True)
     held = set(tensors["optimizer"])
     groups = [{**g, "params": [name for name in g["params"] if name in held]} for g in extra.pop("param_groups")]
