@@ -6,8 +6,10 @@ Training state is counted **per parameter**. With AdamW:
   ``exp_avg_sq``) 8: **16 bytes/param** under DDP, where AdamW updates the weights in place. A sharded
   optimizer (ours, and DeepSpeed's) keeps an fp32 **master copy** of its shard besides the moments:
   4 + 8 = **12 bytes per parameter of the shard**, seed 004's figure.
-* **bf16 mixed precision** (the ZeRO paper's accounting): bf16 weights 2 + bf16 gradients 2 + fp32
-  master weights 4 + two fp32 moments 8 = **16 bytes/param**, of which 12 are optimizer state.
+* **16-bit mixed precision** (the ZeRO paper's accounting, its section 3.1, for fp16): 16-bit weights 2
+  + 16-bit gradients 2 + K = 12 bytes of fp32 optimizer state (master weights 4, Adam's two moments 8)
+  = **16 bytes/param**. bf16 has the same sizes as fp16, so the numbers stand for bf16 training
+  (``"bf16-mixed"`` below).
 * seed 003's 7B table counts fp32 weights (4), bf16 gradients (2) and the two moments (8), with no
   separate master: 14 bytes/param, 98 GB for 7B.
 
@@ -53,7 +55,7 @@ class Precision:
 
 PRECISIONS = {
     "fp32": Precision("fp32", weights=4, grads=4, master=0, moments=8),
-    "bf16-mixed": Precision("bf16 mixed, fp32 master (ZeRO paper)", weights=2, grads=2, master=4, moments=8),
+    "bf16-mixed": Precision("16-bit mixed, fp32 master (the ZeRO paper's fp16 accounting, K = 12)", weights=2, grads=2, master=4, moments=8),
     "seed003": Precision("fp32 weights, bf16 gradients (seed 003)", weights=4, grads=2, master=0, moments=8),
 }
 
