@@ -24,6 +24,15 @@ zero2                   whole       1/N        1/N
 zero3 / fsdp2           1/N         1/N        1/N
 ======================  ==========  =========  ================
 
+``fsdp2`` shards **every tensor along dim 0** the way ``torch.chunk`` cuts it (FSDP2's
+``_fsdp_param.py``: ``torch.chunk(param, N, dim=0)``, padded with empty chunks): chunks of ceil(d0/N)
+rows, so the last ranks get fewer rows, or none, when d0 does not divide by N. Rank r holds
+``max(0, min(c, d0 - r c))`` rows of ``c = ceil(d0 / N)`` (:func:`fsdp2_local_numel`): for
+``Linear(1000, 3)`` + ``Linear(3, 1000)`` without biases on 2 ranks, 3500 and 2500 parameters, not
+3000 each. (FSDP2 allocates each parameter's storage padded to chunk 0's size on every rank, so the
+short ranks' *allocation* is rank 0's; the counts here are the local shards a DTensor holds, which the
+gradients and Adam's moments follow exactly.)
+
 ``zero1-torch`` (``ZeroRedundancyOptimizer``) assigns *whole parameters* to ranks, largest first to
 the least-loaded rank, so a rank's share is only about 1/N: one large matrix can tip it
 (:func:`torch_zero_partition`). Activations do not shard with data parallelism at all: each rank
@@ -79,13 +88,24 @@ def torch_zero_partition(sizes: list[int], world: int) -> list[int]:
     return loads
 
 
+def fsdp2_local_numel(shape: tuple[int, ...] | list[int] | int, world: int, rank: int) -> int:
+    """Elements of one tensor that FSDP2 leaves on ``rank``: ``torch.chunk`` along dim 0 into ``world``
+    chunks of ceil(d0/world) rows (the last ones shorter or empty)."""
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    rows = shape[0] if shape else 1
+    rest = math.prod(shape[1:])
+    chunk = math.ceil(rows / world)
+    return max(0, min(chunk, rows - rank * chunk)) * rest
+
+
 def bytes_per_rank(params: int, strategy: str = "ddp", world: int = 1, precision: str = "fp32",
                    param_sizes: list[int] | None = None, rank: int | None = None,
-                   activations: int = 0) -> dict:
+                   activations: int = 0, param_shapes: list[tuple[int, ...]] | None = None) -> dict:
     """Bytes one rank holds for a model of ``params`` parameters: ``params``, ``grads``, ``optimizer``,
     ``activations`` (given, e.g. measured), ``total``. ``param_sizes`` (each tensor's numel) makes the
     sharded counts exact: ceil(P/N) for a flat shard, the greedy partition for zero1-torch (``rank``
-    picks one; default the fullest)."""
+    picks one; default the fullest); ``param_shapes`` makes fsdp2's exact (dim-0 chunks, rank 0 the
+    fullest by default; from ``param_sizes`` alone each tensor is taken as 1-D)."""
     if strategy not in SHARDED:
         raise ValueError(f"unknown strategy {strategy!r}: use one of {', '.join(SHARDED)}")
     if precision not in PRECISIONS:
@@ -96,8 +116,8 @@ def bytes_per_rank(params: int, strategy: str = "ddp", world: int = 1, precision
         optimizer_params = loads[rank] if rank is not None else max(loads)
     else:
         optimizer_params = math.ceil(params / world) if shard_o else params
-    if strategy == "fsdp2" and param_sizes:  # FSDP2 shards every tensor along dim 0, padded
-        local = sum(math.ceil(n / world) for n in param_sizes)
+    if strategy == "fsdp2" and (param_shapes or param_sizes):  # FSDP2: every tensor chunked along dim 0
+        local = sum(fsdp2_local_numel(s, world, rank or 0) for s in (param_shapes or param_sizes))
     else:
         local = math.ceil(params / world)
     master = 4 if strategy in KEEPS_MASTER_SHARD and p.master == 0 else p.master
