@@ -228,7 +228,15 @@ def check_15(records):
 def check_16(records):
     from ddpkit.drill import QUESTIONS
 
-    assert records["drill"]["keys"] == sorted(q.key for q in QUESTIONS) and records["drill"]["rehearsed"] == []
+    drill = records["drill"]
+    assert drill["keys"] == sorted(q.key for q in QUESTIONS) and drill["rehearsed"] == []
+    evidence = drill["evidence"]
+    assert evidence["resume-state"]["weights"] > evidence["resume-state"]["full"]
+    assert evidence["memory-70b"]["worst_gap"] < 0.05 and evidence["bf16"]["drift"] < 0.05
+    assert evidence["gpu-failure"]["peers_failed_after_s"] < 30 and evidence["gpu-failure"]["detection_s"] > 0
+    plan = evidence["plan-70b"]
+    assert plan["held_real_ranks"] == 2 and plan["m_for_80"] == 12 and abs(plan["bubble"] - 3 / 11) < 1e-9
+    assert plan["state_gb"] == 1120 and 15 < plan["per_gpu_gb"] < 16
 
 
 CHECKS = {"01": check_01, "02": check_02, "03": check_03, "04": check_04, "05": check_05, "06": check_06, "07": check_07, "08": check_08,
