@@ -157,10 +157,10 @@ def check_10(records):
     losses = records["losses"]
     assert max(losses.values()) - min(losses.values()) < 1e-5
     ac = records["activation_checkpointing"]
-    assert ac["same_grads"] and ac["kept"]["True"] < ac["kept"]["False"] / 4 and ac["ratio"] > 1.0
+    assert ac["same_grads"] and ac["kept"]["True"] < ac["kept"]["False"] / 4 and ac["verdict"] != "below"
     assert [row["ddp: GPUs of 80 GB"] for row in records["big_models"]] == ["never", "never"]
-    steps = records["step_ms"]
-    assert "fsdp2" not in steps or steps["fsdp2"] > 1.5 * steps["ddp"]
+    moved = records["comm_bytes"]
+    assert "fsdp2" not in moved or 1.25 < moved["fsdp2"] / moved["ddp"] < 1.6
 
 
 def check_11(records):
@@ -191,16 +191,16 @@ def check_13(records):
     real = pipeline.runnable_schedules()
     expected = {"gpipe": measured["micro_counts"][-1], "1f1b": measured["stages"]}
     assert measured["held"] == {name: expected[name] for name in real}
-    bubbles = measured["bubbles"]
-    first, last = measured["micro_counts"][0], measured["micro_counts"][-1]
-    assert bubbles[f"{real[-1]}-{last}"] < bubbles[f"{real[-1]}-{first}"]
+    assert measured["bubble_verdict"] != "below"
     trainer = records["trainer"]
-    assert trainer["same_data"] and trainer["max_loss_gap"] <= 1e-4
+    assert trainer["same_data"] and trainer["max_loss_gap"] <= 1e-4 and trainer["bitwise"]
     assert max(trainer["ratios"].values()) < 1.2 / trainer["stages"]
 
 
 def check_14(records):
-    assert records["preemption"] == {"exit_code": 75, "saved_step": records["preemption"]["saved_step"], "bitwise": True}
+    preemption = records["preemption"]
+    assert preemption["exit_code"] == 75 and preemption["bitwise"]
+    assert preemption["saved_step"] == preemption["notice_step"] + 1 == preemption["resumed_from"]
     assert records["deadlock"]["alone_failed"] and records["deadlock"]["agreed_step"] == 2
     cadence = records["cadence"]
     assert cadence["seconds"]["worst_lost_s"] < cadence["steps"]["worst_lost_s"]
@@ -208,8 +208,10 @@ def check_14(records):
     assert guard["final"]["nan, no guard"] is None and guard["final"]["nan, guard"] is not None
     assert guard["rollbacks"] == 1 and guard["final"]["spike, guard"] < guard["final"]["spike, no guard"]
     assert records["torn"] == {"skipped": "step-00000010", "used": "step-00000005"}
-    assert set(records["recovery"]) == {"ddpkit", "torchrun"}
-    assert all(t["total_s"] < 300 for t in records["recovery"].values())
+    recovery = records["recovery"]
+    assert set(recovery) == {"ddpkit", "torchrun"} and recovery["ddpkit"]["detection_s"] > 0
+    for t in recovery.values():
+        assert t["restore_s"] > 0 and t["first_step_s"] > 0 and t["total_s"] > t["restart_s"] > 0
 
 
 def check_15(records):
@@ -220,7 +222,7 @@ def check_15(records):
     assert invariants["same_norms"] and invariants["optimizer_bytes"] == invariants["expected"]
     resume = records["resume"]
     assert resume["round_trip"] and resume["on4_bitwise"] and resume["on2_same_data"] and resume["on2_gap"] <= 1e-4
-    assert records["throughput"]["tokens_per_s"] > 0
+    assert resume["on4_same"] == {"param_sha256": True, "optimizer_sha256": True, "data_sha256": True}
     exercises = records["exercises"]
     assert exercises["tp_diff"] <= 1e-6 and exercises["accum_gap"] <= 1e-5 and exercises["rollbacks"] == 1
 

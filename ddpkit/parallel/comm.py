@@ -175,6 +175,29 @@ def show_collectives(ctx, n: int = 6) -> dict:
     return out
 
 
+def opposite_orders(ctx, own_group: bool, numel: int = 100_000) -> bool:
+    """The async-save race made deterministic (a function for ``ddpkit.launch``): every rank issues an
+    all-reduce (training) and an all-gather (a background checkpoint's) without waiting, rank 0 in one
+    order and the others in the opposite one. gloo matches a group's messages by the order its
+    collectives were called, so on one shared group rank 0's all-reduce meets the others' all-gather:
+    expect wrong sums, an error or a timeout, every time. With ``own_group`` the all-gather runs on a
+    group of its own and both complete correctly whatever the order. Returns whether both results are
+    right (an error or a timeout propagates)."""
+    group = dist.new_group(backend="gloo") if own_group else None  # collective: every rank creates it
+    world = ctx.world_size
+    summed = torch.full((numel,), float(ctx.rank + 1))
+    gathered = [torch.empty(numel) for _ in range(world)]
+    mine = torch.full((numel,), 10.0 * (ctx.rank + 1))
+    issue = [lambda: dist.all_reduce(summed, async_op=True),
+             lambda: dist.all_gather(gathered, mine, group=group, async_op=True)]
+    works = [op() for op in (issue if ctx.rank == 0 else issue[::-1])]
+    for work in works:
+        work.wait()
+    right_sum = bool((summed == world * (world + 1) / 2).all())
+    right_gather = all(bool((g == 10.0 * (r + 1)).all()) for r, g in enumerate(gathered))
+    return right_sum and right_gather
+
+
 def ring_bytes_per_rank(nbytes: int, world: int) -> float:
     """What the ring sends from each rank for an all-reduce of ``nbytes``: 2(N-1)/N x M."""
     return 2 * (world - 1) / world * nbytes

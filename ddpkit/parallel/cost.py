@@ -168,3 +168,58 @@ def fit_table(table: dict[int, float], link: AlphaBeta, nbytes: float, compute_s
             if best is None or error < best["max_error"]:
                 best = {"max_error": error, "overlap": hidden / 100, "jitter": jitter, "curve": curve}
     return best
+
+
+def collective_bytes(ctx, cfg, strategy: str, steps: int = 2, reshard_after_forward: bool = True) -> dict:
+    """Bytes this rank moves per training step under ``strategy`` ("ddp" or "fsdp2"), counted from the
+    collectives themselves (a function for ``ddpkit.launch``), in nccl-tests' terms: an all-reduce of M
+    bytes moves 2(N-1)/N x M, an all-gather or reduce-scatter of S bytes in all (N-1)/N x S. DDP's
+    all-reduces are counted by a comm hook around PyTorch's default one; FSDP2's all-gathers and
+    reduce-scatters by wrapping ``torch.distributed``'s functions it calls. ``reshard_after_forward=False``
+    keeps each block's gathered parameters from forward to backward (no second all-gather, more memory)."""
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from torch.nn.parallel import DistributedDataParallel
+
+    from ddpkit.models import build_model, loss_fn
+    from ddpkit.parallel import fsdp
+
+    n = ctx.world_size
+    counted = {"all_reduce": 0, "all_gather": 0, "reduce_scatter": 0}
+    model = build_model(cfg)
+    if strategy == "ddp":
+        model = DistributedDataParallel(model)
+
+        def counting_hook(state, bucket):
+            counted["all_reduce"] += bucket.buffer().numel() * bucket.buffer().element_size()
+            return allreduce_hook(state, bucket)
+
+        model.register_comm_hook(None, counting_hook)
+    elif strategy == "fsdp2":
+        fully_shard = fsdp.fully_shard_fn()
+        for unit in fsdp.shard_units(model):
+            fully_shard(unit, reshard_after_forward=reshard_after_forward)
+        fully_shard(model)
+        for name, kind, arg in (("all_gather_single", "all_gather", ("output_tensor", 0)),
+                                ("all_gather_into_tensor", "all_gather", ("output_tensor", 0)),
+                                ("reduce_scatter_single", "reduce_scatter", ("input", 1)),
+                                ("reduce_scatter_tensor", "reduce_scatter", ("input", 1))):
+            original = getattr(dist, name, None)
+            if original is None:
+                continue
+
+            def counting(*args, _original=original, _kind=kind, _arg=arg, **kwargs):
+                tensor = kwargs[_arg[0]] if _arg[0] in kwargs else args[_arg[1]]  # the whole gathered output / scattered input
+                counted[_kind] += tensor.numel() * tensor.element_size()
+                return _original(*args, **kwargs)
+
+            setattr(dist, name, counting)
+    else:
+        raise ValueError(f"strategy must be ddp or fsdp2, got {strategy!r}")
+    gen = torch.Generator().manual_seed(ctx.rank)
+    tokens = torch.randint(0, cfg.vocab_size, (cfg.micro_batch_size, cfg.seq_len), generator=gen)
+    for _ in range(steps):
+        loss_fn(model(tokens), tokens).backward()
+        model.zero_grad(set_to_none=True)
+    moved = 2 * (n - 1) / n * counted["all_reduce"] + (n - 1) / n * (counted["all_gather"] + counted["reduce_scatter"])
+    return {**{k: v / steps for k, v in counted.items()}, "moved_per_step": moved / steps}
