@@ -170,6 +170,7 @@ def check_11(records):
     assert records["async_group"] == {"own_group_ok": True, "shared_group_failed": True}
     costs = records["save_costs"]
     assert costs["verified"] and costs["async_stall_s"] < costs["dcp_s"] and costs["shard_files"] == 4
+    assert 0.9 < costs["dcp_bytes"] / costs["full_bytes"] < 1.2 and costs["largest_shard"] < 0.5 * costs["full_bytes"]
 
 
 def check_12(records):
