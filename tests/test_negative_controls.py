@@ -56,3 +56,27 @@ def test_without_the_second_all_gather_fsdp2_moves_no_more_than_ddp():
     ddp = launch(cost.collective_bytes, gpt, "ddp", world_size=2, output="none")[0]["moved_per_step"]
     kept = launch(cost.collective_bytes, gpt, "fsdp2", 2, False, world_size=2, output="none")[0]["moved_per_step"]
     assert not 1.25 < kept / ddp < 1.6 and kept / ddp < 1.1
+
+
+def _timeline(tmp_path, step_times):
+    """A rank-0 metrics log whose steps end after the given durations."""
+    import json
+
+    t, lines = 1000.0, [{"event": "started", "rank": 0, "step": 0, "time": 1000.0}]
+    for step, seconds in enumerate(step_times, 1):
+        t += seconds
+        lines.append({"event": "step", "rank": 0, "step": step, "time": t})
+    (tmp_path / "rank-00000.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return str(tmp_path)
+
+
+def test_time_based_saving_wins_only_when_step_times_are_uneven(tmp_path):
+    """Notebook 14's cadence check on one timeline, and its negative control: with even step times (no
+    straggler) saving every S seconds no longer bounds the worst loss better than every 10 steps."""
+    from ddpkit import recovery
+
+    (tmp_path / "uneven").mkdir(); (tmp_path / "even").mkdir()
+    uneven = recovery.cadences_on_one_timeline(_timeline(tmp_path / "uneven", [0.02] * 20 + [0.1] * 40), 10, split_step=20)
+    assert abs(uneven["slowdown"] - 5.0) < 1e-6 and uneven["seconds"]["worst_lost_s"] < uneven["steps"]["worst_lost_s"]
+    even = recovery.cadences_on_one_timeline(_timeline(tmp_path / "even", [0.07] * 60), 10)
+    assert not even["seconds"]["worst_lost_s"] < even["steps"]["worst_lost_s"]
