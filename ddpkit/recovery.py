@@ -128,7 +128,7 @@ def cadences_on_one_timeline(metrics_dir: str, every_steps: int, split_step: int
     """Both save rules applied to the *same* measured timeline (rank 0's step-end times of one run), so
     that run-to-run noise on a busy machine cannot decide the comparison: saves after every
     ``every_steps`` steps, and saves at the first step boundary at least S seconds after the previous
-    save, S = run time / the step rule's number of saves (the same budget). Returns :func:`lost_work`
+    save, S = run time / (the step rule's number of saves + 1), the same budget (k saves, k + 1 gaps). Returns :func:`lost_work`
     and the number of saves for each rule, and (given ``split_step``, where the steps slow down) how much
     slower the median step became: the premise of the comparison."""
     events = [e for e in read_metrics(metrics_dir, event=None) if e["rank"] == 0]
@@ -136,7 +136,7 @@ def cadences_on_one_timeline(metrics_dir: str, every_steps: int, split_step: int
     steps = sorted((e["step"], e["time"]) for e in events if e["event"] == "step")
     end = steps[-1][1]
     by_steps = [t for step, t in steps if step % every_steps == 0 and t < end]
-    every_s = (end - start) / max(1, len(by_steps))
+    every_s = (end - start) / (len(by_steps) + 1)  # k saves cut the run into k + 1 gaps
     by_time, last = [], start
     for _, t in steps:
         if t - last >= every_s and t < end:
