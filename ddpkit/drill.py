@@ -29,8 +29,10 @@ QUESTIONS = [
     Question("why-ddp", "seed 000, 002", "Why DDP instead of FSDP?",
              "DDP is the smallest correct baseline: whole replicas, one bucketed all-reduce overlapped with backward, "
              "simple failure semantics and checkpoints. Move to FSDP (or ZeRO) when replicated model state is what does "
-             "not fit: it divides parameters, gradients and optimizer state by N, and pays with an all-gather before each "
-             "block and a reduce-scatter after, which costs step time when the model fits anyway."),
+             "not fit: it divides parameters, gradients and optimizer state by N, and pays in communication: an all-gather "
+             "of each block's parameters before its forward, a second one before its backward, and a reduce-scatter of its "
+             "gradients after: about 1.5x DDP's bytes (the ZeRO paper's 3 Psi against 2 Psi), in more, smaller messages, "
+             "which costs step time when the model fits anyway. ZeRO-1 and -2 move no more bytes than DDP."),
     Question("silent-failure", "seed 000, 001", "What is the most dangerous silent failure?",
              "Sample duplication or omission across ranks: without a distributed sampler every rank trains on the same "
              "samples, the loss still falls, nothing crashes, and the model has seen 1/N of the data. Guard it with a "
@@ -41,9 +43,14 @@ QUESTIONS = [
              "the Adam moments restart from zero: the loss departs from the uninterrupted run. With everything restored, "
              "the same world size resumes bitwise; another world size sums in another order, within float noise."),
     Question("slow-every-20-min", "seed 000", "How would you debug a slowdown that happens every 20 minutes?",
-             "Correlate it with periodic work before blaming the model: checkpoint cadence and storage writes, evaluation, "
-             "logging flushes. Look at per-rank step-time breakdowns (data, forward, backward, comm, optimizer) and mark "
-             "the saves on the step-time plot; an async save or a faster writer removes the spike."),
+             "Log every rank's step time with a wall-clock timestamp and the phase breakdown (data, forward, backward, "
+             "comm, optimizer), find the period, and line it up with everything periodic: checkpoint saves (the write, "
+             "and the page-cache writeback or fsync stall that can come seconds later), evaluation, logging flushes, "
+             "epoch boundaries (DataLoader workers restart unless persistent_workers=True; the sampler reshuffles), "
+             "Python's garbage collector (gc.callbacks; freeze it or collect at the step boundary on every rank). Then "
+             "what is outside the job: a noisy neighbour on shared storage or network, a cron job, thermal or power "
+             "throttling of one GPU (nvidia-smi's clocks and throttle reasons). One slow rank slows every rank at the next "
+             "collective, so compare per-rank times, not the average; here the spike lines up with the save."),
     Question("not-build", "seed 000, 001, 002", "What would you deliberately not build in the interview?",
              "Cloud auth, scheduler job specs, vendor metrics exporters, multi-node bootstrapping, hybrid parallelism: "
              "keep their interfaces (hooks at the step boundary, a checkpoint writer, a strategy, a metrics sink) and "
@@ -63,10 +70,13 @@ QUESTIONS = [
              "it stays inside a node on NVLink. Pipeline parallelism across nodes: one activation per micro-batch "
              "between neighbours, point to point, at the price of the bubble (p-1)/(m+p-1)."),
     Question("memory-70b", "seed 003", "How much memory does a 7B or a 70B model need, and on how many 80 GB GPUs?",
-             "Mixed-precision Adam holds 16 bytes per parameter (bf16 weights and gradients, fp32 master, two fp32 "
-             "moments): 112 GB for 7B, 1.12 TB for 70B, before activations. DDP cannot hold 7B on an 80 GB GPU; ZeRO-1 "
-             "divides the 12 optimizer bytes by N, ZeRO-3/FSDP all 16. Activations come on top and activation "
-             "checkpointing trades them for a third more compute."),
+             "Mixed-precision Adam holds 16 bytes per parameter (16-bit weights and gradients, fp32 master, two fp32 "
+             "moments; the ZeRO paper's K = 12): 112 GB for 7B, 1.12 TB for 70B, before activations. DDP cannot hold "
+             "7B on an 80 GB GPU; ZeRO-1 fits it on 2 (14 + 14 + 84/2 = 70 GB), FSDP on 2 (56 GB). For 70B the state "
+             "alone needs 1120/80 = 14 GPUs with FSDP, 15 with a little headroom, and more in practice: activations "
+             "(batch x sequence x width x layers, not sharded by data parallelism; activation checkpointing trades "
+             "most of them for about one more forward), the all-gathered block FSDP holds during compute, "
+             "communication buckets and allocator fragmentation. Seed 003's 840 GB leaves out the fp32 master copy."),
     Question("all-reduce", "seed 003", "What does an all-reduce cost, and how do you hide it?",
              "A ring all-reduce moves 2(N-1)/N x M bytes per rank: bandwidth-bound for large messages, latency-bound for "
              "small ones (alpha + beta x bytes). DDP buckets gradients (~25 MB) and all-reduces each bucket while "
@@ -74,20 +84,49 @@ QUESTIONS = [
     Question("zero-stages", "seed 003, 004", "What does each ZeRO stage partition, and what does it save?",
              "Stage 1 the optimizer state (fp32 master and moments: 12 of the 16 bytes per parameter), stage 2 also the "
              "gradients, stage 3 (FSDP) also the parameters. Per rank: 4 + 12/N, 2 + 14/N, 16/N bytes per parameter. "
-             "Stage 1 costs no more communication than DDP (reduce-scatter + all-gather = one all-reduce)."),
+             "Stages 1 and 2 cost no more communication than DDP (reduce-scatter + all-gather = one all-reduce); stage 3 "
+             "all-gathers the parameters again in backward: about 1.5x DDP's traffic (the ZeRO paper's 3 Psi vs 2 Psi)."),
     Question("bf16", "seed 003", "Why bf16 over fp16? What is loss scaling for?",
-             "bf16 has fp32's exponent range: no overflow to inf at 65,504 and no gradient underflow, so no loss scaler. "
-             "fp16 has more mantissa but a tiny range: gradients are scaled up before backward and unscaled (before "
-             "clipping) after, and a step whose gradients overflowed is skipped."),
+             "bf16 has fp32's 8-bit exponent: its range matches fp32's, so nothing overflows at fp16's 65,504 and "
+             "small gradients rarely underflow (rarely, not never: below ~1e-38 they still flush), which is why bf16 "
+             "training usually runs without a loss scaler. Its price is precision: 8 significant bits (7 stored), "
+             "about 3 decimal digits, so 1 + 1e-3 rounds to 1; that is why the master weights, the optimizer's update "
+             "and reductions stay in fp32. fp16 has 11 significant bits but a 5-bit exponent: the *loss* is multiplied "
+             "by a scale before backward (so every gradient is), the gradients are unscaled before clipping, and the "
+             "scale is dynamic: GradScaler halves it and skips the step when a gradient is inf or NaN, and doubles it "
+             "after 2000 clean steps (its defaults: 2^16, 0.5, 2.0, 2000)."),
     Question("gpu-failure", "seed 003", "What happens when a GPU (a rank) dies mid-training?",
-             "Its peers block in the next collective until the timeout; the launcher (or torchrun) sees the dead process, "
-             "names it, stops the rest, and restarts the whole world, which resumes from the newest checkpoint that "
-             "verifies. Recovery time is detection + restart + restore + first step; lost work is bounded by the save "
-             "cadence, in seconds."),
+             "It depends how it dies. A process that exits: on gloo its peers fail at once (their sockets read "
+             "'Connection reset by peer'); on NCCL they block in the collective until the watchdog's timeout (10 minutes by "
+             "default) aborts them. Either way the launcher (ddpkit's monitor, torchrun's agent) sees the exit, names "
+             "the rank, stops the rest and restarts the world from the newest checkpoint that verifies. A GPU that hangs "
+             "without exiting is worse: no exit code, only a stalled collective; you find it with the NCCL watchdog and "
+             "its heartbeat monitor (TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC), Xid errors in the kernel log and per-rank step "
+             "times, then exclude or replace the node before restarting (a restart on the same bad GPU fails again). At "
+             "scale, recovery without a full restart: per-replica fault tolerance (torchft: the healthy replicas "
+             "continue, the failed one rejoins) and restoring from peers' memory instead of storage. Recovery time = "
+             "detection + restart + restore + first step (measured here); lost work is bounded by the save cadence in "
+             "seconds."),
     Question("scaling", "seed 003", "Why doesn't efficiency scale linearly with GPU count?",
-             "Per step each rank computes 1/N of the work but the all-reduce still moves about 2M bytes and its latency "
-             "grows with N; whatever is not overlapped with backward adds up, and stragglers set everyone's pace. "
-             "Efficiency = compute / (compute + exposed communication) falls as N grows and as the model gets smaller."),
+             "First say which scaling. Weak scaling (each GPU keeps its batch, DDP's usual case): compute per GPU is "
+             "constant; the ring's bytes per GPU stay about 2M but the step waits for (1) the slowest link, which drops "
+             "from NVLink to the network (10-100x slower) once the job leaves one node; (2) the latency term, 2(N-1) "
+             "messages (trees make it log N); (3) the slowest of N GPUs: stragglers, whose expected maximum grows with "
+             "N. Strong scaling (the global batch fixed): each GPU's compute also shrinks as 1/N while the all-reduce "
+             "does not, so efficiency collapses much sooner. Levers: overlap the all-reduce with backward (buckets), "
+             "hierarchical collectives, bigger per-GPU work, and finding stragglers from per-rank step times."),
+    Question("plan-70b", "seed 003", "How would you train a 70B-parameter model?",
+             "State first: 16 bytes/param with Adam in mixed precision = 1.12 TB (seed 003 says 840 GB: it leaves out "
+             "the fp32 master copy). Layout: tensor parallelism 8 inside a node (it all-reduces activations every layer: "
+             "NVLink only), pipeline 4 across nodes (80 layers, 20 per stage; one activation per micro-batch between "
+             "stages), data parallelism 4 over the rest: 8 x 4 x 4 = 128 GPUs, about 35 GB of state per GPU (16 bytes x "
+             "70B / 32), about 15 GB with the optimizer state sharded over the data-parallel 4 (ZeRO-1), leaving room "
+             "for activations. The schedule: 1F1B holds at most p = 4 micro-batches of activations but has GPipe's "
+             "bubble, (p-1)/(m+p-1): with 8 micro-batches that is 3/11 = 27%, not 'minimal', so efficiency is at most "
+             "73% before any communication, below the seed's 75-80%; 80% needs m >= 12, or interleaved stages (v = 2 "
+             "chunks per GPU: 3/19 = 16%). bf16 without a loss scaler, activation checkpointing, DDP's all-reduce "
+             "overlapped with backward. Checkpoints: asynchronous, every 15 minutes, so a failure loses 7.5 minutes on "
+             "average and 15 plus the save in flight and the restart at worst, not 'at most 15'."),
 ]
 
 

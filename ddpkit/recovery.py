@@ -122,3 +122,31 @@ def compare_cadences(cfg, workdir: str, every_steps: int = 10) -> dict[str, dict
         launch(train.run, run_cfg, world_size=run_cfg.world_size, output="none")
         costs[name] = {**cadence_cost(run_cfg.metrics_dir), "every": every_steps if name == "steps" else run_cfg.checkpoint_every_s}
     return costs
+
+
+def cadences_on_one_timeline(metrics_dir: str, every_steps: int, split_step: int | None = None) -> dict:
+    """Both save rules applied to the *same* measured timeline (rank 0's step-end times of one run), so
+    that run-to-run noise on a busy machine cannot decide the comparison: saves after every
+    ``every_steps`` steps, and saves at the first step boundary at least S seconds after the previous
+    save, S = run time / (the step rule's number of saves + 1), the same budget (k saves, k + 1 gaps). Returns :func:`lost_work`
+    and the number of saves for each rule, and (given ``split_step``, where the steps slow down) how much
+    slower the median step became: the premise of the comparison."""
+    events = [e for e in read_metrics(metrics_dir, event=None) if e["rank"] == 0]
+    start = min(e["time"] for e in events if e["event"] == "started")
+    steps = sorted((e["step"], e["time"]) for e in events if e["event"] == "step")
+    end = steps[-1][1]
+    by_steps = [t for step, t in steps if step % every_steps == 0 and t < end]
+    every_s = (end - start) / (len(by_steps) + 1)  # k saves cut the run into k + 1 gaps
+    by_time, last = [], start
+    for _, t in steps:
+        if t - last >= every_s and t < end:
+            by_time.append(t)
+            last = t
+    out = {"steps": {**lost_work(by_steps, start, end), "saves": len(by_steps), "every": every_steps},
+           "seconds": {**lost_work(by_time, start, end), "saves": len(by_time), "every": every_s}}
+    if split_step is not None:
+        ends = [start] + [t for _, t in steps]
+        durations = [b - a for a, b in zip(ends, ends[1:])]
+        early, late = sorted(durations[1:split_step]), sorted(durations[split_step + 1:])
+        out["slowdown"] = late[len(late) // 2] / early[len(early) // 2]
+    return out

@@ -179,8 +179,9 @@ def check_09(records):
     assert all(0.99 < r < 1.01 for r in ring["bytes_ratio"])
     bw = records["bandwidth"]
     assert bw["large_algbw"] > 10 * bw["small_algbw"] and bw["large_busbw"] < bw["memcpy"]
-    eff = records["scaling"]["efficiency"]
-    assert eff == sorted(eff, reverse=True) and eff[0] == 1.0
+    assert records["alpha_beta"]["median_error"] < 0.5
+    scaling = records["scaling"]
+    assert scaling["fit_error"] <= 0.05 and scaling["no_straggler_error"] >= 0.08
 
 
 def check_10(records):
@@ -191,10 +192,10 @@ def check_10(records):
     losses = records["losses"]
     assert max(losses.values()) - min(losses.values()) < 1e-5
     ac = records["activation_checkpointing"]
-    assert ac["same_grads"] and ac["kept"]["True"] < ac["kept"]["False"] / 4 and ac["ratio"] > 1.0
+    assert ac["same_grads"] and ac["kept"]["True"] < ac["kept"]["False"] / 4 and ac["verdict"] != "below"
     assert [row["ddp: GPUs of 80 GB"] for row in records["big_models"]] == ["never", "never"]
-    steps = records["step_ms"]
-    assert "fsdp2" not in steps or steps["fsdp2"] > 1.5 * steps["ddp"]
+    moved = records["comm_bytes"]
+    assert "fsdp2" not in moved or 1.25 < moved["fsdp2"] / moved["ddp"] < 1.6
 
 
 def check_11(records):
@@ -204,6 +205,7 @@ def check_11(records):
     assert records["async_group"] == {"own_group_ok": True, "shared_group_failed": True}
     costs = records["save_costs"]
     assert costs["verified"] and costs["async_stall_s"] < costs["dcp_s"] and costs["shard_files"] == 4
+    assert 0.9 < costs["dcp_bytes"] / costs["full_bytes"] < 1.2 and costs["largest_shard"] < 0.5 * costs["full_bytes"]
 
 
 def check_12(records):
@@ -225,25 +227,27 @@ def check_13(records):
     real = pipeline.runnable_schedules()
     expected = {"gpipe": measured["micro_counts"][-1], "1f1b": measured["stages"]}
     assert measured["held"] == {name: expected[name] for name in real}
-    bubbles = measured["bubbles"]
-    first, last = measured["micro_counts"][0], measured["micro_counts"][-1]
-    assert bubbles[f"{real[-1]}-{last}"] < bubbles[f"{real[-1]}-{first}"]
+    assert measured["bubble_verdict"] != "below"
     trainer = records["trainer"]
-    assert trainer["same_data"] and trainer["max_loss_gap"] <= 1e-4
+    assert trainer["same_data"] and trainer["max_loss_gap"] <= 1e-4 and trainer["bitwise"]
     assert max(trainer["ratios"].values()) < 1.2 / trainer["stages"]
 
 
 def check_14(records):
-    assert records["preemption"] == {"exit_code": 75, "saved_step": records["preemption"]["saved_step"], "bitwise": True}
+    preemption = records["preemption"]
+    assert preemption["exit_code"] == 75 and preemption["bitwise"]
+    assert preemption["saved_step"] == preemption["notice_step"] + 1 == preemption["resumed_from"]
     assert records["deadlock"]["alone_failed"] and records["deadlock"]["agreed_step"] == 2
-    cadence = records["cadence"]
-    assert cadence["seconds"]["worst_lost_s"] < cadence["steps"]["worst_lost_s"]
+    same = records["cadence"]["same_timeline"]
+    assert same["slowdown"] < 2.5 or same["seconds"]["worst_lost_s"] < same["steps"]["worst_lost_s"]
     guard = records["guard"]
     assert guard["final"]["nan, no guard"] is None and guard["final"]["nan, guard"] is not None
     assert guard["rollbacks"] == 1 and guard["final"]["spike, guard"] < guard["final"]["spike, no guard"]
     assert records["torn"] == {"skipped": "step-00000010", "used": "step-00000005"}
-    assert set(records["recovery"]) == {"ddpkit", "torchrun"}
-    assert all(t["total_s"] < 300 for t in records["recovery"].values())
+    recovery = records["recovery"]
+    assert set(recovery) == {"ddpkit", "torchrun"} and recovery["ddpkit"]["detection_s"] > 0
+    for t in recovery.values():
+        assert t["restore_s"] > 0 and t["first_step_s"] > 0 and t["total_s"] > t["restart_s"] > 0
 
 
 def check_15(records):
@@ -254,7 +258,7 @@ def check_15(records):
     assert invariants["same_norms"] and invariants["optimizer_bytes"] == invariants["expected"]
     resume = records["resume"]
     assert resume["round_trip"] and resume["on4_bitwise"] and resume["on2_same_data"] and resume["on2_gap"] <= 1e-4
-    assert records["throughput"]["tokens_per_s"] > 0
+    assert resume["on4_same"] == {"param_sha256": True, "optimizer_sha256": True, "data_sha256": True}
     exercises = records["exercises"]
     assert exercises["tp_diff"] <= 1e-6 and exercises["accum_gap"] <= 1e-5 and exercises["rollbacks"] == 1
 
@@ -262,7 +266,15 @@ def check_15(records):
 def check_16(records):
     from ddpkit.drill import QUESTIONS
 
-    assert records["drill"]["keys"] == sorted(q.key for q in QUESTIONS) and records["drill"]["rehearsed"] == []
+    drill = records["drill"]
+    assert drill["keys"] == sorted(q.key for q in QUESTIONS) and drill["rehearsed"] == []
+    evidence = drill["evidence"]
+    assert evidence["resume-state"]["weights"] > evidence["resume-state"]["full"]
+    assert evidence["memory-70b"]["worst_gap"] < 0.05 and evidence["bf16"]["drift"] < 0.05
+    assert evidence["gpu-failure"]["peers_failed_after_s"] < 30 and evidence["gpu-failure"]["detection_s"] > 0
+    plan = evidence["plan-70b"]
+    assert plan["held_real_ranks"] == 2 and plan["m_for_80"] == 12 and abs(plan["bubble"] - 3 / 11) < 1e-9
+    assert plan["state_gb"] == 1120 and 15 < plan["per_gpu_gb"] < 16
 
 
 def check_19(records):

@@ -19,9 +19,9 @@ M each rank must move for that collective (2(N-1)/N for all-reduce, (N-1)/N for 
 all-gather, 1 for broadcast), so busbw is comparable across collectives and world sizes and can be
 held against the hardware's limit. On one machine the "link" is memory, so the limit here is a memory
 copy's bandwidth, measured beside it (:func:`memcpy_bandwidth`). An **alpha-beta model**
-``t = alpha + M / bandwidth`` fitted to the measurements (:func:`fit_alpha_beta`) separates latency
-(small messages) from bandwidth (large ones) and predicts what more ranks would cost
-(:func:`ring_all_reduce_seconds`, :func:`scaling_efficiency`).
+``t = alpha + M / bandwidth`` *per message*, fitted to the measured all-reduces knowing that a ring sends
+2(N-1) messages (:func:`ddpkit.parallel.cost.fit_ring`), separates latency (small messages) from
+bandwidth (large ones) and predicts what more ranks would cost (``ddpkit.parallel.cost``).
 """
 
 from __future__ import annotations
@@ -189,6 +189,29 @@ def show_collectives(ctx, n: int = 6) -> dict:
     return out
 
 
+def opposite_orders(ctx, own_group: bool, numel: int = 100_000) -> bool:
+    """The async-save race made deterministic (a function for ``ddpkit.launch``): every rank issues an
+    all-reduce (training) and an all-gather (a background checkpoint's) without waiting, rank 0 in one
+    order and the others in the opposite one. gloo matches a group's messages by the order its
+    collectives were called, so on one shared group rank 0's all-reduce meets the others' all-gather:
+    expect wrong sums, an error or a timeout, every time. With ``own_group`` the all-gather runs on a
+    group of its own and both complete correctly whatever the order. Returns whether both results are
+    right (an error or a timeout propagates)."""
+    group = dist.new_group(backend="gloo") if own_group else None  # collective: every rank creates it
+    world = ctx.world_size
+    summed = torch.full((numel,), float(ctx.rank + 1))
+    gathered = [torch.empty(numel) for _ in range(world)]
+    mine = torch.full((numel,), 10.0 * (ctx.rank + 1))
+    issue = [lambda: dist.all_reduce(summed, async_op=True),
+             lambda: dist.all_gather(gathered, mine, group=group, async_op=True)]
+    works = [op() for op in (issue if ctx.rank == 0 else issue[::-1])]
+    for work in works:
+        work.wait()
+    right_sum = bool((summed == world * (world + 1) / 2).all())
+    right_gather = all(bool((g == 10.0 * (r + 1)).all()) for r, g in enumerate(gathered))
+    return right_sum and right_gather
+
+
 def ring_bytes_per_rank(nbytes: int, world: int) -> float:
     """What the ring sends from each rank for an all-reduce of ``nbytes``: 2(N-1)/N x M."""
     return 2 * (world - 1) / world * nbytes
@@ -287,40 +310,12 @@ def benchmark(ctx, sizes: list[int], ops: tuple[str, ...] = COLLECTIVES, iters: 
 
 # --------------------------------------------------------------------------- the alpha-beta model
 
-@dataclass(frozen=True)
-class AlphaBeta:
-    """``t = alpha + nbytes / bandwidth``: a fixed cost per call plus a cost per byte."""
-
-    alpha_s: float
-    """Latency: the time of an empty message."""
-    bandwidth: float
-    """Bytes per second once the message is large."""
-
-    def seconds(self, nbytes: float) -> float:
-        return self.alpha_s + nbytes / self.bandwidth
-
-
-def fit_alpha_beta(nbytes: list[float], seconds: list[float]) -> AlphaBeta:
-    """Least-squares fit of ``t = alpha + beta x M`` in relative error (every size counts, the small
-    ones included, which an absolute fit would ignore next to the large ones)."""
-    if len(nbytes) < 2:
-        raise ValueError("fitting alpha and beta needs at least two message sizes")
-    rows = torch.tensor([[1.0 / t, m / t] for m, t in zip(nbytes, seconds)], dtype=torch.float64)
-    alpha, beta = torch.linalg.lstsq(rows, torch.ones(len(nbytes), 1, dtype=torch.float64)).solution.flatten().tolist()
-    alpha, beta = max(alpha, 0.0), max(beta, 1e-18)
-    return AlphaBeta(alpha, 1.0 / beta)
-
-
-def ring_all_reduce_seconds(link: AlphaBeta, nbytes: float, world: int) -> float:
-    """The ring on ``world`` ranks over links described by ``link``: 2(N-1) messages of M/N bytes,
-    one after another: ``2(N-1) x alpha + 2(N-1)/N x M / bandwidth``."""
-    if world == 1:
-        return 0.0
-    return 2 * (world - 1) * link.alpha_s + ring_bytes_per_rank(nbytes, world) / link.bandwidth
-
-
-def scaling_efficiency(link: AlphaBeta, nbytes: float, compute_s: float, world: int, overlap: float = 0.0) -> float:
-    """Throughput on ``world`` ranks over ``world`` x one rank's: compute over compute plus the part of
-    the gradient all-reduce that is not hidden behind backward (``overlap`` = the hidden share)."""
-    exposed = (1 - overlap) * ring_all_reduce_seconds(link, nbytes, world)
-    return compute_s / (compute_s + exposed)
+# The cost model lives in ddpkit.parallel.cost (per message, two link classes, scaling efficiency);
+# these names stay importable from here.
+from ddpkit.parallel.cost import (  # noqa: E402,F401
+    AlphaBeta,
+    fit_alpha_beta,
+    fit_ring,
+    ring_all_reduce_seconds,
+    scaling_efficiency,
+)

@@ -8,8 +8,12 @@ sharded parameters) its AdamW moments. The whole parameters exist only briefly:
   parameters, which are freed right after;
 * after its backward a **reduce-scatter** averages the gradients and leaves each rank its shard.
 
-Sharding is applied per block, then to the root (the embeddings and head that are left), so only one
-block's full parameters are alive at a time; that is what makes a model larger than one device fit.
+Sharding is applied per block, then to the root (the embeddings and head that are left), so a block's
+full parameters are alive only around its own forward and backward; that is what makes a model larger
+than one device fit. "Only one block at a time" would be too strong: the root is *not* resharded after
+forward (``reshard_after_forward=None`` means False for the root, per ``fully_shard``'s docstring, since
+backward needs it first), and FSDP2 prefetches the next block's all-gather while the current one
+computes, so the peak holds the root, the current block and the next one.
 The price is communication: parameters are gathered in forward and again in backward, about 1.5x
 DDP's bytes. That communication runs inside FSDP2's own hooks, so the trainer's ``comm_s`` (which a
 DDP comm hook or ZeRO's optimizer measures) reads 0 here: the time is counted in ``forward_s`` and

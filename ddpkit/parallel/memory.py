@@ -6,8 +6,10 @@ Training state is counted **per parameter**. With AdamW:
   ``exp_avg_sq``) 8: **16 bytes/param** under DDP, where AdamW updates the weights in place. A sharded
   optimizer (ours, and DeepSpeed's) keeps an fp32 **master copy** of its shard besides the moments:
   4 + 8 = **12 bytes per parameter of the shard**, seed 004's figure.
-* **bf16 mixed precision** (the ZeRO paper's accounting): bf16 weights 2 + bf16 gradients 2 + fp32
-  master weights 4 + two fp32 moments 8 = **16 bytes/param**, of which 12 are optimizer state.
+* **16-bit mixed precision** (the ZeRO paper's accounting, its section 3.1, for fp16): 16-bit weights 2
+  + 16-bit gradients 2 + K = 12 bytes of fp32 optimizer state (master weights 4, Adam's two moments 8)
+  = **16 bytes/param**. bf16 has the same sizes as fp16, so the numbers stand for bf16 training
+  (``"bf16-mixed"`` below).
 * seed 003's 7B table counts fp32 weights (4), bf16 gradients (2) and the two moments (8), with no
   separate master: 14 bytes/param, 98 GB for 7B.
 
@@ -21,6 +23,15 @@ zero1 / zero1-torch     whole       whole      1/N
 zero2                   whole       1/N        1/N
 zero3 / fsdp2           1/N         1/N        1/N
 ======================  ==========  =========  ================
+
+``fsdp2`` shards **every tensor along dim 0** the way ``torch.chunk`` cuts it (FSDP2's
+``_fsdp_param.py``: ``torch.chunk(param, N, dim=0)``, padded with empty chunks): chunks of ceil(d0/N)
+rows, so the last ranks get fewer rows, or none, when d0 does not divide by N. Rank r holds
+``max(0, min(c, d0 - r c))`` rows of ``c = ceil(d0 / N)`` (:func:`fsdp2_local_numel`): for
+``Linear(1000, 3)`` + ``Linear(3, 1000)`` without biases on 2 ranks, 3500 and 2500 parameters, not
+3000 each. (FSDP2 allocates each parameter's storage padded to chunk 0's size on every rank, so the
+short ranks' *allocation* is rank 0's; the counts here are the local shards a DTensor holds, which the
+gradients and Adam's moments follow exactly.)
 
 ``zero1-torch`` (``ZeroRedundancyOptimizer``) assigns *whole parameters* to ranks, largest first to
 the least-loaded rank, so a rank's share is only about 1/N: one large matrix can tip it
@@ -53,7 +64,7 @@ class Precision:
 
 PRECISIONS = {
     "fp32": Precision("fp32", weights=4, grads=4, master=0, moments=8),
-    "bf16-mixed": Precision("bf16 mixed, fp32 master (ZeRO paper)", weights=2, grads=2, master=4, moments=8),
+    "bf16-mixed": Precision("16-bit mixed, fp32 master (the ZeRO paper's fp16 accounting, K = 12)", weights=2, grads=2, master=4, moments=8),
     "seed003": Precision("fp32 weights, bf16 gradients (seed 003)", weights=4, grads=2, master=0, moments=8),
 }
 
@@ -77,13 +88,24 @@ def torch_zero_partition(sizes: list[int], world: int) -> list[int]:
     return loads
 
 
+def fsdp2_local_numel(shape: tuple[int, ...] | list[int] | int, world: int, rank: int) -> int:
+    """Elements of one tensor that FSDP2 leaves on ``rank``: ``torch.chunk`` along dim 0 into ``world``
+    chunks of ceil(d0/world) rows (the last ones shorter or empty)."""
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    rows = shape[0] if shape else 1
+    rest = math.prod(shape[1:])
+    chunk = math.ceil(rows / world)
+    return max(0, min(chunk, rows - rank * chunk)) * rest
+
+
 def bytes_per_rank(params: int, strategy: str = "ddp", world: int = 1, precision: str = "fp32",
                    param_sizes: list[int] | None = None, rank: int | None = None,
-                   activations: int = 0) -> dict:
+                   activations: int = 0, param_shapes: list[tuple[int, ...]] | None = None) -> dict:
     """Bytes one rank holds for a model of ``params`` parameters: ``params``, ``grads``, ``optimizer``,
     ``activations`` (given, e.g. measured), ``total``. ``param_sizes`` (each tensor's numel) makes the
     sharded counts exact: ceil(P/N) for a flat shard, the greedy partition for zero1-torch (``rank``
-    picks one; default the fullest)."""
+    picks one; default the fullest); ``param_shapes`` makes fsdp2's exact (dim-0 chunks, rank 0 the
+    fullest by default; from ``param_sizes`` alone each tensor is taken as 1-D)."""
     if strategy not in SHARDED:
         raise ValueError(f"unknown strategy {strategy!r}: use one of {', '.join(SHARDED)}")
     if precision not in PRECISIONS:
@@ -94,8 +116,8 @@ def bytes_per_rank(params: int, strategy: str = "ddp", world: int = 1, precision
         optimizer_params = loads[rank] if rank is not None else max(loads)
     else:
         optimizer_params = math.ceil(params / world) if shard_o else params
-    if strategy == "fsdp2" and param_sizes:  # FSDP2 shards every tensor along dim 0, padded
-        local = sum(math.ceil(n / world) for n in param_sizes)
+    if strategy == "fsdp2" and (param_shapes or param_sizes):  # FSDP2: every tensor chunked along dim 0
+        local = sum(fsdp2_local_numel(s, world, rank or 0) for s in (param_shapes or param_sizes))
     else:
         local = math.ceil(params / world)
     master = 4 if strategy in KEEPS_MASTER_SHARD and p.master == 0 else p.master

@@ -1,0 +1,53 @@
+"""The sign test behind notebook 10's and 13's timing lessons, and its negative controls: with the
+mechanism removed (no recomputation; the same number of micro-batches) the check no longer holds."""
+
+import random
+import time
+
+import torch
+
+from ddpkit import timing
+from ddpkit.config import TrainConfig
+from ddpkit.models import build_model, loss_fn
+
+
+def test_verdict_is_a_sign_test():
+    assert timing.verdict([1.3] * 7, 1.1) == "above"  # 7 of 7 above: p = 1/128 < 0.01
+    assert timing.verdict([1.3] * 6, 1.1) == "unclear"  # 6 of 6: p = 1/64, not sure at 99%
+    assert timing.verdict([0.9] * 7, 1.1) == "below"
+    noisy = [1.1 + random.Random(0).uniform(-0.2, 0.2) for _ in range(8)]
+    assert timing.verdict(noisy + [1.1 - (x - 1.1) for x in noisy], 1.1) == "unclear"  # symmetric: no sign
+
+
+def test_until_sure_stops_as_soon_as_it_is_sure_and_gives_up_at_max_n():
+    values = iter([1.5] * 100)
+    seen, taken = timing.until_sure(lambda: next(values), 1.1, min_n=3, max_n=30)
+    assert seen == "above" and len(taken) == 7
+    flip = iter([0.5, 1.5] * 50)
+    seen, taken = timing.until_sure(lambda: next(flip), 1.0, min_n=3, max_n=12)
+    assert seen == "unclear" and len(taken) == 12
+
+
+def test_without_recomputation_the_activation_checkpointing_check_is_not_passed():
+    """Negative control for notebook 10: both arms without recomputation. The pairs' ratios sit around
+    1, so the verdict is never "above" the 10% threshold (the notebook's claim)."""
+    torch.set_num_threads(1)
+    model = build_model(TrainConfig(model="gpt", d_model=64, n_layers=2, seq_len=32))
+    tokens = torch.randint(0, 64, (8, 32), generator=torch.Generator().manual_seed(0))
+
+    def step() -> float:
+        started = time.perf_counter()
+        loss_fn(model(tokens), tokens).backward()
+        model.zero_grad(set_to_none=True)
+        return time.perf_counter() - started
+
+    model.activation_checkpointing = False
+    pairs = []
+
+    def ratio() -> float:  # "with" over "without", both without recomputation; the order alternates as in notebook 10
+        first, second = step(), step()
+        pairs.append(None)
+        return first / second if len(pairs) % 2 else second / first
+
+    seen, ratios = timing.until_sure(ratio, 1.10, min_n=8, max_n=24)
+    assert seen != "above", ratios
