@@ -1,6 +1,6 @@
 """Training stall of an async DCP save against a synchronous one, on the same state in one run.
 
-``sharded_checkpoint.measure_save_costs`` trains a GPT on real ranks, then saves it full, dcp, and dcp
+``save_costs.measure_save_costs`` trains a GPT on real ranks, then saves it full, dcp, and dcp
 async (snapshot + background write on its own gloo group while training continues). Target: the async
 stall <= 10% of the synchronous dcp save.
 """
@@ -12,7 +12,7 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import write_results  # noqa: E402
 
-from ddpkit import sharded_checkpoint  # noqa: E402
+from ddpkit import save_costs  # noqa: E402
 from ddpkit.config import TrainConfig  # noqa: E402
 from ddpkit.launch import launch  # noqa: E402
 
@@ -23,7 +23,7 @@ def main(repeats: int = 3, world_size: int = 2, d_model: int = 256) -> dict:
     runs = []
     for _ in range(repeats):
         with tempfile.TemporaryDirectory() as root:
-            runs.append(launch(sharded_checkpoint.measure_save_costs, cfg, root, world_size=world_size, output="none")[0])
+            runs.append(launch(save_costs.measure_save_costs, cfg, root, world_size=world_size, output="none")[0])
     best = min(runs, key=lambda r: r["async"]["stall_s"] / r["dcp"]["seconds"])
     ratios = sorted(r["async"]["stall_s"] / r["dcp"]["seconds"] for r in runs)
     return write_results("async_save", {

@@ -12,7 +12,6 @@ import contextlib
 import os
 
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddpkit import checkpoint, files, metrics, step, train

@@ -11,7 +11,7 @@ from ddpkit.parallel import calibrate, memory
 from ddpkit.parallel.comm import AlphaBeta
 from ddpkit.parallel.plan import (SEED003_LAYOUT, activation_bytes_per_layer, llama2_70b, memory_per_gpu, placements,
                                   plan, seed003_cluster)
-from ddpkit.parallel.step_time import Layout, ModelSpec, Overlap, group_spans_nodes, step_time
+from ddpkit.parallel.step_time import Layout, ModelSpec, group_spans_nodes, step_time
 
 GB = 1e9
 
