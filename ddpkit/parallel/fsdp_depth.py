@@ -1,0 +1,255 @@
+"""FSDP2 as it is used: what ``reshard_after_forward``, ``MixedPrecisionPolicy`` and a 2-D mesh change, counted.
+
+Every function here runs on real ranks (``ddpkit.launch``) and measures; nothing is modelled.
+
+* **Collectives, counted.** :class:`CollectiveLog` wraps the ``torch.distributed`` functions FSDP2
+  calls (``all_gather_into_tensor`` / ``all_gather_single``, ``reduce_scatter_tensor`` /
+  ``reduce_scatter_single``, ``all_reduce``) while it is active, and records each call's phase
+  (forward, backward, optimizer), the dtype and size of what it sends and the size of its group. The
+  wrapper counts the outermost call only, so a function implemented through another is counted once.
+* **ZeRO-3 vs ZeRO-2.** ``fully_shard(module, reshard_after_forward=True)`` frees a unit's gathered
+  parameters after its forward and all-gathers them again in backward (ZeRO stage 3: parameters
+  sharded); ``False`` keeps them gathered from forward to backward, so backward gathers nothing, at the
+  price of holding every unit's whole parameters in between (parameters not sharded during the step,
+  as in ZeRO stage 2; Rajbhandari et al., "ZeRO", 2020, section 5). After backward FSDP2 reshards
+  either way, so between steps both hold only the shards (torch's ``fully_shard`` docstring).
+  :func:`run_fsdp` measures both the gathers and the parameter bytes held between forward and backward.
+* **Mixed precision.** ``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)``
+  casts the sharded fp32 parameters to bf16 *before* the all-gather (half the bytes on the wire),
+  computes in bf16, and reduce-scatters gradients in fp32; the optimizer updates the fp32 shards, the
+  master weights. :func:`lost_update` shows why the master must be fp32: bf16 keeps 8 significant bits.
+* **HSDP.** ``fully_shard(module, mesh=mesh_2d)`` with a 2-D mesh (replicate, shard) shards within a
+  group and replicates across groups: parameters are ``DTensor`` s placed ``(Replicate(), Shard(0))``,
+  gradients are reduce-scattered in the shard group then all-reduced across the replicate group.
+
+FSDP2 runs on CPU tensors from torch 2.7 (see :mod:`ddpkit.parallel.fsdp`); :func:`check_supported`
+refuses an older torch before any rank starts.
+"""
+
+from __future__ import annotations
+
+import inspect
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+
+from ddpkit.parallel import fsdp, memory
+
+COLLECTIVES = ("all_gather_into_tensor", "all_gather_single", "reduce_scatter_tensor",
+               "reduce_scatter_single", "all_reduce")
+KIND = {"all_gather_into_tensor": "all_gather", "all_gather_single": "all_gather",
+        "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_single": "reduce_scatter",
+        "all_reduce": "all_reduce"}
+
+
+def check_supported() -> None:
+    """Refuse, with the reason, a torch whose FSDP2 cannot run on the CPU (before any rank starts)."""
+    fsdp.check_supported("cpu")
+
+
+def fsdp_api():
+    """``(fully_shard, MixedPrecisionPolicy, CPUOffloadPolicy)`` wherever this torch keeps them."""
+    try:
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+    except ImportError:  # torch < 2.6
+        from torch.distributed._composable.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+    return fsdp.fully_shard_fn(), MixedPrecisionPolicy, CPUOffloadPolicy
+
+
+class CollectiveLog:
+    """Records every collective FSDP2 (or anything else) issues through ``torch.distributed`` while active.
+
+    ``phase`` is set by the caller (``with log.during("forward"): ...``); each record is a dict
+    ``{"phase", "op", "dtype", "numel", "bytes", "group_size"}`` where ``bytes`` is what this rank
+    sends in (its input). Works only on functions looked up as ``dist.NAME`` at call time, which is how
+    FSDP2 calls them.
+    """
+
+    def __init__(self) -> None:
+        self.records: list[dict] = []
+        self.phase = "setup"
+        self._depth = 0
+        self._saved: dict = {}
+
+    def __enter__(self) -> "CollectiveLog":
+        for name in COLLECTIVES:
+            if hasattr(dist, name):
+                self._saved[name] = getattr(dist, name)
+                setattr(dist, name, self._wrap(name, self._saved[name]))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for name, fn in self._saved.items():
+            setattr(dist, name, fn)
+        self._saved.clear()
+
+    @contextmanager
+    def during(self, phase: str):
+        self.phase = phase
+        try:
+            yield self
+        finally:
+            self.phase = "idle"
+
+    def _wrap(self, name, fn):
+        signature = inspect.signature(fn)
+
+        def counted(*args, **kwargs):
+            if self._depth == 0:
+                bound = signature.bind(*args, **kwargs).arguments
+                sent = next(bound[k] for k in ("input_tensor", "input", "tensor") if k in bound)
+                group = bound.get("group")
+                self.records.append({"phase": self.phase, "op": KIND[name], "dtype": str(sent.dtype).replace("torch.", ""),
+                                     "numel": sent.numel(), "bytes": sent.numel() * sent.element_size(),
+                                     "group_size": dist.get_world_size(group)})
+            self._depth += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._depth -= 1
+
+        return counted
+
+    def count(self, op: str, phase: str | None = None) -> int:
+        return sum(r["op"] == op and (phase is None or r["phase"] == phase) for r in self.records)
+
+    def step_records(self, op: str) -> list[dict]:
+        """The records of ``op`` issued by forward, backward or the optimizer (not between steps)."""
+        return [r for r in self.records if r["op"] == op and r["phase"] in ("forward", "backward", "optimizer")]
+
+
+def make_model(width: int = 64, depth: int = 4, seed: int = 0) -> torch.nn.Sequential:
+    """``depth`` Linear(width, width) layers with tanh between: every layer an FSDP unit of equal size."""
+    torch.manual_seed(seed)
+    layers: list[torch.nn.Module] = []
+    for i in range(depth):
+        layers.append(torch.nn.Linear(width, width))
+        if i < depth - 1:
+            layers.append(torch.nn.Tanh())
+    return torch.nn.Sequential(*layers)
+
+
+def batch_for(replica: int, step: int, width: int = 64, batch: int = 8, seed: int = 1234):
+    """The (inputs, targets) data-parallel replica ``replica`` trains on at ``step``: same on every run."""
+    g = torch.Generator().manual_seed(seed + 1000 * step + replica)
+    return torch.randn(batch, width, generator=g), torch.randn(batch, width, generator=g)
+
+
+def _param_bytes(model: torch.nn.Module) -> dict:
+    """Parameter bytes this rank holds right now: local shards of ``DTensor`` s, whole tensors otherwise."""
+    sharded = unsharded = 0
+    for p in model.parameters():
+        if hasattr(p, "to_local"):
+            local = p.to_local()
+            sharded += local.numel() * local.element_size()
+        else:
+            unsharded += p.numel() * p.element_size()
+    return {"sharded": sharded, "unsharded": unsharded}
+
+
+def run_fsdp(ctx, *, reshard_after_forward: bool = True, mixed_precision: bool = False, mesh: str = "1d",
+             steps: int = 3, width: int = 64, depth: int = 4, lr: float = 0.1) -> dict:
+    """Train :func:`make_model` with FSDP2 for ``steps`` SGD steps on this rank; return what was measured.
+
+    ``mesh``: ``"1d"`` shards over the world; ``"hsdp"`` builds a 2-D mesh ``(world/2, 2)`` named
+    ``("replicate", "shard")`` and passes it to ``fully_shard`` (HSDP); ``"shard-only"`` is the negative
+    control, the same shard groups without the replicate axis (each pair trains on its own). Returns the
+    losses (averaged over the data-parallel replicas), the collectives counted per step and phase, their
+    dtypes, the parameter bytes held before forward and between forward and backward, the placements.
+    """
+    check_supported()
+    fully_shard, MixedPrecisionPolicy, _ = fsdp_api()
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if mesh == "1d":
+        device_mesh, replica, replicas = init_device_mesh("cpu", (ctx.world_size,)), ctx.rank, ctx.world_size
+    elif mesh in ("hsdp", "shard-only"):
+        device_mesh = init_device_mesh("cpu", (ctx.world_size // 2, 2), mesh_dim_names=("replicate", "shard"))
+        replica, replicas = ctx.rank, ctx.world_size  # every rank its own samples, as under DDP on the world
+        if mesh == "shard-only":
+            device_mesh = device_mesh["shard"]
+    else:
+        raise ValueError(f"unknown mesh {mesh!r}: use 1d, hsdp or shard-only")
+    policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+              if mixed_precision else MixedPrecisionPolicy())
+    model = make_model(width, depth)
+    sizes = [p.numel() for p in model.parameters()]
+    for unit in fsdp.shard_units(model):
+        fully_shard(unit, mesh=device_mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+    fully_shard(model, mesh=device_mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    first = next(model.parameters())
+    out = {"placements": [str(p) for p in first.placements], "mesh": str(device_mesh.mesh.tolist()),
+           "param_sizes": sizes, "losses": [], "held": []}
+    with CollectiveLog() as log:
+        for step in range(steps):
+            x, y = batch_for(replica, step, width)
+            before = _param_bytes(model)
+            with log.during("forward"):
+                pred = model(x)
+                loss = torch.nn.functional.mse_loss(pred.float(), y)
+            between = _param_bytes(model)  # after forward, before backward: what reshard_after_forward decides
+            with log.during("backward"):
+                loss.backward()
+            with log.during("optimizer"):
+                optimizer.step()
+                optimizer.zero_grad()
+            out["held"].append({"before_forward": before, "between": between, "after_step": _param_bytes(model)})
+            mean = loss.detach().clone()
+            dist.all_reduce(mean, group=ctx.world_group)  # outside the log: the report's own collective
+            out["losses"].append(mean.item() / replicas)
+            if step == 0:
+                out["forward_dtype"] = str(pred.dtype).replace("torch.", "")
+    per_step = {f"{phase}_{op}": log.count(op, phase) // steps
+                for phase in ("forward", "backward") for op in ("all_gather", "reduce_scatter", "all_reduce")}
+    ops = ("all_gather", "reduce_scatter", "all_reduce")
+    out.update(per_step=per_step, units=len(fsdp.shard_units(model)),
+               dtypes={op: sorted({r["dtype"] for r in log.step_records(op)}) for op in ops},
+               group_sizes={op: sorted({r["group_size"] for r in log.step_records(op)}) for op in ops},
+               bytes_per_step={op: sum(r["bytes"] for r in log.step_records(op)) // steps for op in ops})
+    # The shards stay allocated all along (the optimizer owns them); whole parameters come on top.
+    out["held_between"] = max(h["before_forward"]["sharded"] + h["between"]["unsharded"] for h in out["held"])
+    return out
+
+
+def run_ddp(ctx, *, steps: int = 3, width: int = 64, depth: int = 4, lr: float = 0.1) -> dict:
+    """The reference: the same model, data and optimizer under DDP on the world."""
+    model = torch.nn.parallel.DistributedDataParallel(make_model(width, depth), process_group=ctx.world_group)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    losses = []
+    for step in range(steps):
+        x, y = batch_for(ctx.rank, step, width)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean, group=ctx.world_group)
+        losses.append(mean.item() / ctx.world_size)
+    return {"losses": losses}
+
+
+def calculator_bytes(param_sizes: list[int], world: int) -> dict:
+    """What :func:`ddpkit.parallel.memory.bytes_per_rank` says one rank holds in fp32 parameters:
+    ``zero3`` (FSDP2, every tensor sharded along dim 0) and ``zero2`` (whole parameters)."""
+    total = sum(param_sizes)
+    return {"zero3": memory.bytes_per_rank(total, "fsdp2", world, param_sizes=param_sizes)["params"],
+            "zero2": memory.bytes_per_rank(total, "zero2", world)["params"]}
+
+
+def lost_update(weight: float = 1.0, update: float = 2.0 ** -9, steps: int = 100) -> dict:
+    """Add ``update`` to ``weight`` ``steps`` times in bf16 and in fp32.
+
+    bf16 has an 8-bit significand (7 stored bits and the implicit leading 1), so between 1 and 2 its
+    values are 2^-7 apart; adding less than half of that, 2^-8, rounds back to the same number and the
+    update is lost, every step. An fp32 master (24-bit significand) keeps it: that is why mixed
+    precision updates fp32 weights and casts them to bf16 for compute (Micikevicius et al., "Mixed
+    Precision Training", 2018)."""
+    bf16 = torch.tensor(weight, dtype=torch.bfloat16)
+    fp32 = torch.tensor(weight, dtype=torch.float32)
+    for _ in range(steps):
+        bf16 = bf16 + torch.tensor(update, dtype=torch.bfloat16)
+        fp32 = fp32 + update
+    return {"weight": weight, "update": update, "steps": steps, "bf16": bf16.item(), "fp32": fp32.item(),
+            "bf16_spacing": (torch.finfo(torch.bfloat16).eps * weight)}

@@ -1,0 +1,99 @@
+"""FSDP2 in depth on real gloo ranks: ZeRO-3 vs ZeRO-2 gathers and bytes, mixed-precision dtypes, HSDP vs DDP."""
+
+import pytest
+import torch
+
+from ddpkit.errors import UserError
+from ddpkit.launch import launch
+from ddpkit.parallel import fsdp, fsdp_depth
+
+NEEDS_FSDP2 = pytest.mark.skipif(not fsdp.cpu_supported(), reason="FSDP2 runs on the CPU from torch 2.7")
+
+
+def _two_ranks(ctx):
+    return {"zero3": fsdp_depth.run_fsdp(ctx, reshard_after_forward=True),
+            "zero2": fsdp_depth.run_fsdp(ctx, reshard_after_forward=False),
+            "bf16": fsdp_depth.run_fsdp(ctx, mixed_precision=True),
+            "ddp": fsdp_depth.run_ddp(ctx)}
+
+
+def _four_ranks(ctx):
+    return {"hsdp": fsdp_depth.run_fsdp(ctx, mesh="hsdp"), "shard_only": fsdp_depth.run_fsdp(ctx, mesh="shard-only"),
+            "ddp": fsdp_depth.run_ddp(ctx)}
+
+
+@pytest.fixture(scope="module")
+def two():
+    return launch(_two_ranks, world_size=2, output="none")
+
+
+@NEEDS_FSDP2
+def test_reshard_after_forward_gathers_again_in_backward_and_holds_only_shards(two):
+    z3, z2 = two[0]["zero3"], two[0]["zero2"]
+    units = z3["units"]
+    assert z3["per_step"]["forward_all_gather"] == z2["per_step"]["forward_all_gather"] == units
+    assert z3["per_step"]["backward_all_gather"] == units
+    # negative control: without resharding after forward, the backward all-gathers vanish
+    assert z2["per_step"]["backward_all_gather"] == 0
+    assert z3["per_step"]["backward_reduce_scatter"] == z2["per_step"]["backward_reduce_scatter"] == units
+    expected = fsdp_depth.calculator_bytes(z3["param_sizes"], world=2)
+    assert z3["held_between"] == expected["zero3"]
+    assert z2["held_between"] == expected["zero3"] + expected["zero2"]  # shards kept + whole parameters
+    for run in (z3, z2):  # after backward FSDP2 reshards either way
+        assert all(h["after_step"] == {"sharded": expected["zero3"], "unsharded": 0} for h in run["held"])
+    assert z3["losses"] == z2["losses"]  # the same arithmetic, only the memory schedule differs
+
+
+@NEEDS_FSDP2
+def test_fsdp2_matches_ddp(two):
+    for rank in two:
+        assert max(abs(a - b) for a, b in zip(rank["zero3"]["losses"], rank["ddp"]["losses"])) < 1e-5
+
+
+@NEEDS_FSDP2
+def test_mixed_precision_gathers_bf16_and_reduces_fp32(two):
+    bf16, fp32 = two[0]["bf16"], two[0]["zero3"]
+    assert bf16["dtypes"]["all_gather"] == ["bfloat16"] and bf16["dtypes"]["reduce_scatter"] == ["float32"]
+    assert bf16["forward_dtype"] == "bfloat16"
+    # negative control: without the policy everything travels in fp32, at twice the gather bytes
+    assert fp32["dtypes"]["all_gather"] == ["float32"] and fp32["forward_dtype"] == "float32"
+    assert 2 * bf16["bytes_per_step"]["all_gather"] == fp32["bytes_per_step"]["all_gather"]
+    assert bf16["bytes_per_step"]["reduce_scatter"] == fp32["bytes_per_step"]["reduce_scatter"]
+    gap = max(abs(a - b) / abs(b) for a, b in zip(bf16["losses"], fp32["losses"]))
+    assert 0 < gap < 1e-2
+
+
+def test_bf16_loses_an_update_below_half_its_spacing():
+    lost = fsdp_depth.lost_update(1.0, 2.0 ** -9, steps=100)
+    assert lost["bf16"] == 1.0 and lost["fp32"] == pytest.approx(1.0 + 100 * 2.0 ** -9)
+    assert lost["bf16_spacing"] == 2.0 ** -7
+    kept = fsdp_depth.lost_update(1.0, 2.0 ** -6, steps=4)  # control: above the spacing, bf16 keeps it
+    assert kept["bf16"] == kept["fp32"] == 1.0 + 4 * 2.0 ** -6
+
+
+@NEEDS_FSDP2
+def test_hsdp_places_replicate_shard_and_matches_ddp():
+    ranks = launch(_four_ranks, world_size=4, output="none")
+    hsdp, shard_only = ranks[0]["hsdp"], ranks[0]["shard_only"]
+    assert hsdp["placements"] == ["R", "S(0)"] and hsdp["mesh"] == "[[0, 1], [2, 3]]"
+    units = hsdp["units"]
+    assert hsdp["per_step"]["backward_all_reduce"] == units and hsdp["group_sizes"]["all_reduce"] == [2]
+    assert hsdp["group_sizes"]["all_gather"] == hsdp["group_sizes"]["reduce_scatter"] == [2]
+    for rank in ranks:
+        assert max(abs(a - b) for a, b in zip(rank["hsdp"]["losses"], rank["ddp"]["losses"])) < 1e-5
+    # negative control: the same shard groups without the replicate all-reduce drift away from DDP
+    assert shard_only["per_step"]["backward_all_reduce"] == 0
+    assert max(abs(a - b) for a, b in zip(shard_only["losses"], ranks[0]["ddp"]["losses"])) > 1e-5
+
+
+def test_collective_log_restores_what_it_wrapped():
+    original = torch.distributed.all_reduce
+    with fsdp_depth.CollectiveLog() as log:
+        assert torch.distributed.all_reduce is not original
+    assert torch.distributed.all_reduce is original and log.records == []
+
+
+@pytest.mark.skipif(fsdp.cpu_supported(), reason="this torch runs FSDP2 on the CPU")
+def test_old_torch_is_refused_before_ranks_start():
+    with pytest.raises(UserError, match="torch >= 2.7"):
+        fsdp_depth.check_supported()
