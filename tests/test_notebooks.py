@@ -275,10 +275,32 @@ def check_18(records):
     assert all(abs(d - b) <= 0.35 * b for d, b in zip(cost["dispatch"], cost["balanced"])) and cost["bandwidth"] > 0
 
 
+def check_21(records):
+    lost = records["mantissa"]["lost"]
+    assert lost["bf16"] == lost["weight"] < lost["fp32"] and records["mantissa"]["kept"]["bf16"] > 1.0
+    if not records["supported"]:  # a torch whose FSDP2 cannot run on the CPU: the cells said so and skipped
+        assert not fsdp.cpu_supported() and "reshard" not in records
+        return
+    reshard, units = records["reshard"], records["reshard"]["units"]
+    assert reshard["zero3"]["forward_all_gather"] == reshard["zero3"]["backward_all_gather"] == units
+    assert reshard["zero2"]["forward_all_gather"] == units and reshard["zero2"]["backward_all_gather"] == 0
+    calc = reshard["calculator"]
+    assert reshard["held_between"] == {"zero3": calc["zero3"], "zero2": calc["zero3"] + calc["zero2"]}
+    assert reshard["fsdp_vs_ddp"] < 1e-5
+    mixed = records["mixed_precision"]
+    assert mixed["dtypes"]["all_gather"] == ["bfloat16"] and mixed["dtypes"]["reduce_scatter"] == ["float32"]
+    assert 2 * mixed["bytes"]["bf16"]["all_gather"] == mixed["bytes"]["fp32"]["all_gather"]
+    assert 0 < mixed["loss_gap"] < 1e-2
+    hsdp = records["hsdp"]
+    assert hsdp["placements"] == ["R", "S(0)"] and hsdp["per_step"]["backward_all_reduce"] == hsdp["units"]
+    assert hsdp["gap"] < 1e-5 < hsdp["alone_gap"]
+
+
 CHECKS = {"01": check_01, "02": check_02, "03": check_03, "04": check_04, "05": check_05, "06": check_06, "07": check_07, "08": check_08,
           "09": check_09, "10": check_10, "11": check_11, "12": check_12,
           "13": check_13, "14": check_14, "15": check_15, "16": check_16,
-          "17": check_17, "18": check_18, "19": check_19}
+          "17": check_17, "18": check_18, "19": check_19,
+          "21": check_21}
 
 
 def test_every_notebook_has_a_results_check():

@@ -12,12 +12,13 @@ Every function here runs on real ranks (``ddpkit.launch``) and measures; nothing
   sharded); ``False`` keeps them gathered from forward to backward, so backward gathers nothing, at the
   price of holding every unit's whole parameters in between (parameters not sharded during the step,
   as in ZeRO stage 2; Rajbhandari et al., "ZeRO", 2020, section 5). After backward FSDP2 reshards
-  either way, so between steps both hold only the shards (torch's ``fully_shard`` docstring).
+  either way, so between steps both hold only the shards (measured: ``held[...]["after_step"]``).
   :func:`run_fsdp` measures both the gathers and the parameter bytes held between forward and backward.
 * **Mixed precision.** ``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)``
   casts the sharded fp32 parameters to bf16 *before* the all-gather (half the bytes on the wire),
-  computes in bf16, and reduce-scatters gradients in fp32; the optimizer updates the fp32 shards, the
-  master weights. :func:`lost_update` shows why the master must be fp32: bf16 keeps 8 significant bits.
+  computes in bf16, and reduce-scatters gradients in fp32; "the optimizer step uses the sharded
+  parameter in the original dtype" (``MixedPrecisionPolicy``'s docstring): the fp32 shards are the
+  master weights, at no extra memory. :func:`lost_update` shows why the master must be fp32: bf16 keeps 8 significant bits.
 * **HSDP.** ``fully_shard(module, mesh=mesh_2d)`` with a 2-D mesh (replicate, shard) shards within a
   group and replicates across groups: parameters are ``DTensor`` s placed ``(Replicate(), Shard(0))``,
   gradients are reduce-scattered in the shard group then all-reduced across the replicate group.
