@@ -14,6 +14,7 @@ def _two_ranks(ctx):
     return {"zero3": fsdp_depth.run_fsdp(ctx, reshard_after_forward=True),
             "zero2": fsdp_depth.run_fsdp(ctx, reshard_after_forward=False),
             "bf16": fsdp_depth.run_fsdp(ctx, mixed_precision=True),
+            "offload": fsdp_depth.run_fsdp(ctx, offload=True),
             "ddp": fsdp_depth.run_ddp(ctx)}
 
 
@@ -84,6 +85,39 @@ def test_hsdp_places_replicate_shard_and_matches_ddp():
     # negative control: the same shard groups without the replicate all-reduce drift away from DDP
     assert shard_only["per_step"]["backward_all_reduce"] == 0
     assert max(abs(a - b) for a, b in zip(shard_only["losses"], ranks[0]["ddp"]["losses"])) > 1e-5
+
+
+@NEEDS_FSDP2
+def test_cpu_offload_trains_the_same_and_says_what_would_leave_a_gpu(two):
+    off, on = two[0]["offload"], two[0]["zero3"]
+    assert off["losses"] == on["losses"] and off["param_device"] == "cpu"
+    moved = fsdp_depth.offload_bytes(off, world=2)
+    shard = on["held"][0]["before_forward"]["sharded"]
+    assert moved["state_off_device"] == 4 * shard  # fp32 shard + gradient shard + AdamW's two moments
+    assert moved["h2d_per_step"] == 2 * shard and moved["d2h_per_step"] == shard  # gathered twice, one gradient
+
+
+def _tp_fsdp(ctx):
+    return {"tp_fsdp": fsdp_depth.run_tp_fsdp(ctx), "ddp_dp2": fsdp_depth.run_ddp(ctx, replica=ctx.rank // 2),
+            "ddp_dp4": fsdp_depth.run_ddp(ctx)}
+
+
+@NEEDS_FSDP2
+def test_tensor_parallel_inside_fsdp2_matches_ddp_over_dp():
+    ranks = launch(_tp_fsdp, world_size=4, output="none")
+    run = ranks[0]["tp_fsdp"]
+    assert run["placements"]["0.weight"].endswith("Shard(dim=0))") and run["placements"]["2.weight"] == "(Shard(dim=0), Shard(dim=1))"
+    units = 4
+    assert run["fsdp_per_step"] == {"forward_all_gather": units, "forward_reduce_scatter": 0,
+                                    "backward_all_gather": units, "backward_reduce_scatter": units}
+    counted = run["comm_debug_mode"]  # torch's own counter agrees with the log on FSDP2's collectives
+    count = lambda *words: sum(n for op, n in counted.items() if any(w in op for w in words))  # noqa: E731
+    assert count("allgather", "all_gather") == 2 * units and count("reduce_scatter") == units
+    assert count("allreduce", "all_reduce") == 2 + 1  # two row-parallel outputs; one column-parallel input gradient
+    for rank in ranks:
+        assert max(abs(a - b) for a, b in zip(rank["tp_fsdp"]["losses"], rank["ddp_dp2"]["losses"])) < 1e-5
+    # control: against DDP whose 4 ranks all see different samples, the comparison fails
+    assert max(abs(a - b) for a, b in zip(run["losses"], ranks[0]["ddp_dp4"]["losses"])) > 1e-5
 
 
 def test_collective_log_restores_what_it_wrapped():

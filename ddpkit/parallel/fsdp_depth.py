@@ -150,17 +150,19 @@ def _param_bytes(model: torch.nn.Module) -> dict:
 
 
 def run_fsdp(ctx, *, reshard_after_forward: bool = True, mixed_precision: bool = False, mesh: str = "1d",
-             steps: int = 3, width: int = 64, depth: int = 4, lr: float = 0.1) -> dict:
+             offload: bool = False, steps: int = 3, width: int = 64, depth: int = 4, lr: float = 0.1) -> dict:
     """Train :func:`make_model` with FSDP2 for ``steps`` SGD steps on this rank; return what was measured.
 
     ``mesh``: ``"1d"`` shards over the world; ``"hsdp"`` builds a 2-D mesh ``(world/2, 2)`` named
     ``("replicate", "shard")`` and passes it to ``fully_shard`` (HSDP); ``"shard-only"`` is the negative
-    control, the same shard groups without the replicate axis (each pair trains on its own). Returns the
+    control, the same shard groups without the replicate axis (each pair trains on its own). ``offload``
+    passes ``CPUOffloadPolicy(pin_memory=False)``: shards, gradients and the optimizer step live in host
+    memory (on a CPU-only job they are there anyway: the saving is a GPU's). Returns the
     losses (averaged over the data-parallel replicas), the collectives counted per step and phase, their
     dtypes, the parameter bytes held before forward and between forward and backward, the placements.
     """
     check_supported()
-    fully_shard, MixedPrecisionPolicy, _ = fsdp_api()
+    fully_shard, MixedPrecisionPolicy, CPUOffloadPolicy = fsdp_api()
     from torch.distributed.device_mesh import init_device_mesh
 
     if mesh == "1d":
@@ -174,14 +176,18 @@ def run_fsdp(ctx, *, reshard_after_forward: bool = True, mixed_precision: bool =
         raise ValueError(f"unknown mesh {mesh!r}: use 1d, hsdp or shard-only")
     policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
               if mixed_precision else MixedPrecisionPolicy())
+    options = {"mesh": device_mesh, "reshard_after_forward": reshard_after_forward, "mp_policy": policy}
+    if offload:
+        options["offload_policy"] = CPUOffloadPolicy(pin_memory=False)  # pinning needs a GPU's driver
     model = make_model(width, depth)
     sizes = [p.numel() for p in model.parameters()]
     for unit in fsdp.shard_units(model):
-        fully_shard(unit, mesh=device_mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
-    fully_shard(model, mesh=device_mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+        fully_shard(unit, **options)
+    fully_shard(model, **options)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     first = next(model.parameters())
     out = {"placements": [str(p) for p in first.placements], "mesh": str(device_mesh.mesh.tolist()),
+           "param_device": str(first.device),
            "param_sizes": sizes, "losses": [], "held": []}
     with CollectiveLog() as log:
         for step in range(steps):
@@ -214,13 +220,15 @@ def run_fsdp(ctx, *, reshard_after_forward: bool = True, mixed_precision: bool =
     return out
 
 
-def run_ddp(ctx, *, steps: int = 3, width: int = 64, depth: int = 4, lr: float = 0.1) -> dict:
-    """The reference: the same model, data and optimizer under DDP on the world."""
+def run_ddp(ctx, *, steps: int = 3, width: int = 64, depth: int = 4, lr: float = 0.1, replica: int | None = None) -> dict:
+    """The reference: the same model, data and optimizer under DDP on the world. ``replica`` picks the
+    samples (default: this rank's); ranks given the same replica count twice in the mean, which leaves
+    it the mean over the distinct replicas."""
     model = torch.nn.parallel.DistributedDataParallel(make_model(width, depth), process_group=ctx.world_group)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     losses = []
     for step in range(steps):
-        x, y = batch_for(ctx.rank, step, width)
+        x, y = batch_for(ctx.rank if replica is None else replica, step, width)
         loss = torch.nn.functional.mse_loss(model(x), y)
         loss.backward()
         optimizer.step()
@@ -231,12 +239,73 @@ def run_ddp(ctx, *, steps: int = 3, width: int = 64, depth: int = 4, lr: float =
     return {"losses": losses}
 
 
+def run_tp_fsdp(ctx, *, steps: int = 3, width: int = 64, depth: int = 4, lr: float = 0.1) -> dict:
+    """torchtitan's 2-D recipe on ``world`` ranks: tensor parallelism inside each ``tp`` pair, then FSDP2
+    over the ``dp`` axis of the same ``(dp, tp)`` mesh.
+
+    ``parallelize_module`` makes Linear layers 0, 4, ... column-parallel and 1, 3, ... (the next Linear)
+    row-parallel (Megatron's pairing: the tanh between them is elementwise, so it runs on the column
+    shards); then ``fully_shard(mesh=mesh["dp"])`` shards those DTensors once more over ``dp``. TP peers
+    see the same samples (their ``dp`` index). FSDP2's collectives are counted by :class:`CollectiveLog`;
+    tensor parallelism's, which DTensor issues as functional collectives, by torch's ``CommDebugMode``."""
+    check_supported()
+    fully_shard, _, _ = fsdp_api()
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.debug import CommDebugMode
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (ctx.world_size // 2, 2), mesh_dim_names=("dp", "tp"))
+    model = make_model(width, depth)
+    linears = [name for name, m in model.named_children() if isinstance(m, torch.nn.Linear)]
+    plan = {name: ColwiseParallel() if i % 2 == 0 else RowwiseParallel() for i, name in enumerate(linears)}
+    parallelize_module(model, mesh["tp"], plan)
+    for unit in fsdp.shard_units(model):
+        fully_shard(unit, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    replica, replicas = mesh["dp"].get_local_rank(), mesh["dp"].size()
+    out = {"placements": {name: str(p.placements) for name, p in model.named_parameters() if name.endswith("weight")},
+           "losses": [], "comm_debug_mode": {}}
+    with CollectiveLog() as log:
+        for step in range(steps):
+            x, y = batch_for(replica, step, width)
+            with CommDebugMode() as comm:
+                with log.during("forward"):
+                    loss = torch.nn.functional.mse_loss(model(x), y)
+                with log.during("backward"):
+                    loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            if step == 0:
+                # CommDebugMode sees FSDP2's c10d calls too: an independent count to check the log against
+                out["comm_debug_mode"] = {str(op).split(".")[-1]: n for op, n in comm.get_comm_counts().items()}
+            mean = loss.detach().clone()
+            dist.all_reduce(mean, group=mesh["dp"].get_group())  # TP peers hold the same loss already
+            out["losses"].append(mean.item() / replicas)
+    out["fsdp_per_step"] = {f"{phase}_{op}": log.count(op, phase) // steps
+                            for phase in ("forward", "backward") for op in ("all_gather", "reduce_scatter")}
+    out["fsdp_group_sizes"] = sorted({r["group_size"] for r in log.records if r["phase"] != "idle"})
+    return out
+
+
 def calculator_bytes(param_sizes: list[int], world: int) -> dict:
     """What :func:`ddpkit.parallel.memory.bytes_per_rank` says one rank holds in fp32 parameters:
     ``zero3`` (FSDP2, every tensor sharded along dim 0) and ``zero2`` (whole parameters)."""
     total = sum(param_sizes)
     return {"zero3": memory.bytes_per_rank(total, "fsdp2", world, param_sizes=param_sizes)["params"],
             "zero2": memory.bytes_per_rank(total, "zero2", world)["params"]}
+
+
+def offload_bytes(run: dict, world: int) -> dict:
+    """What ``CPUOffloadPolicy`` moves off a GPU for a :func:`run_fsdp` result: the state it keeps in host
+    memory (fp32 shards, gradient shards and AdamW's moments, from :mod:`ddpkit.parallel.memory`) and the
+    bytes copied per step: shards host-to-device before each all-gather, gradient shards device-to-host
+    after each reduce-scatter (the policy's docstring)."""
+    sizes = run["param_sizes"]
+    state = memory.bytes_per_rank(sum(sizes), "fsdp2", world, param_sizes=sizes)
+    return {"state_off_device": state["params"] + state["grads"] + state["optimizer"],
+            "h2d_per_step": run["bytes_per_step"]["all_gather"],
+            "d2h_per_step": run["bytes_per_step"]["reduce_scatter"] // world}
 
 
 def lost_update(weight: float = 1.0, update: float = 2.0 ** -9, steps: int = 100) -> dict:
