@@ -294,6 +294,10 @@ def check_21(records):
     hsdp = records["hsdp"]
     assert hsdp["placements"] == ["R", "S(0)"] and hsdp["per_step"]["backward_all_reduce"] == hsdp["units"]
     assert hsdp["gap"] < 1e-5 < hsdp["alone_gap"]
+    offload = records["offload"]
+    assert offload["same_losses"] and offload["state_off_device"] == 4 * offload["shard_bytes"]
+    tp = records["tp_fsdp"]
+    assert tp["gap"] < 1e-5 and tp["tp_all_reduce"] == 3 and tp["fsdp_per_step"]["backward_all_gather"] == units
 
 
 CHECKS = {"01": check_01, "02": check_02, "03": check_03, "04": check_04, "05": check_05, "06": check_06, "07": check_07, "08": check_08,

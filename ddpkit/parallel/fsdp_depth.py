@@ -30,6 +30,7 @@ refuses an older torch before any rank starts.
 from __future__ import annotations
 
 import inspect
+import warnings
 from contextlib import contextmanager
 
 import torch
@@ -266,7 +267,11 @@ def run_tp_fsdp(ctx, *, steps: int = 3, width: int = 64, depth: int = 4, lr: flo
     replica, replicas = mesh["dp"].get_local_rank(), mesh["dp"].size()
     out = {"placements": {name: str(p.placements) for name, p in model.named_parameters() if name.endswith("weight")},
            "losses": [], "comm_debug_mode": {}}
-    with CollectiveLog() as log:
+    with CollectiveLog() as log, warnings.catch_warnings():
+        # DTensor hands back its outputs as views, and the model's input needs no gradient: FSDP2 warns
+        # about both; neither applies here (no in-place op follows, the gradients are checked against DDP)
+        warnings.filterwarnings("ignore", message=".*returned a view tensor")
+        warnings.filterwarnings("ignore", message="Full backward hook is firing")
         for step in range(steps):
             x, y = batch_for(replica, step, width)
             with CommDebugMode() as comm:
