@@ -124,3 +124,18 @@ def test_tensor_parallel_inside_fsdp2_matches_ddp_over_dp():
 def test_old_torch_is_refused_before_ranks_start():
     with pytest.raises(UserError, match="torch >= 2.7"):
         fsdp_depth.check_supported()
+
+
+def _prefetch(ctx):
+    return [fsdp_depth.run_prefetch(ctx, prefetch=k) for k in (0, 1, 2)]
+
+
+@NEEDS_FSDP2
+def test_forward_prefetch_gathers_ahead_and_holds_more_units():
+    runs = launch(_prefetch, world_size=2, output="none")[0]
+    for run in runs:
+        assert run["order"].count("all_gather") == 4 and run["backward_all_gather"] == 4  # the same gathers...
+        assert run["max_units_alive"] == 1 + run["prefetch"]  # ...issued earlier: k more units alive at once
+        assert run["max_alive_bytes"] == run["max_units_alive"] * run["unit_bytes"]
+    assert runs[1]["order"][:3] == ["all_gather", "all_gather", "unit_start0"]
+    assert runs[0]["order"][:3] == ["all_gather", "unit_start0", "unit_end0"]  # control: no prefetch, one at a time

@@ -294,6 +294,7 @@ def check_21(records):
     hsdp = records["hsdp"]
     assert hsdp["placements"] == ["R", "S(0)"] and hsdp["per_step"]["backward_all_reduce"] == hsdp["units"]
     assert hsdp["gap"] < 1e-5 < hsdp["alone_gap"]
+    assert [r["max_units_alive"] for r in records["prefetch"]] == [1, 2, 3]
     offload = records["offload"]
     assert offload["same_losses"] and offload["state_off_device"] == 4 * offload["shard_bytes"]
     tp = records["tp_fsdp"]

@@ -58,6 +58,10 @@ class CollectiveLog:
         finally:
             self.phase = "idle"
 
+    def mark(self, event: str, **info) -> None:
+        """Put a non-collective event (a module's forward starting, say) in order among the records."""
+        self.records.append({"phase": self.phase, "op": event, **info})
+
     def _wrap(self, name, fn):
         signature = inspect.signature(fn)
 
