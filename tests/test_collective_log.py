@@ -20,7 +20,7 @@ def _collectives(ctx):
 
 
 def test_records_phase_op_dtype_bytes_and_group():
-    records = launch(_collectives, world_size=2, output="none")[0]
+    records = launch(_collectives, world_size=2, output="none", backend="gloo")[0]
     assert records == [
         {"phase": "forward", "op": "all_gather", "dtype": "bfloat16", "numel": 2, "bytes": 4, "group_size": 2},
         {"phase": "backward", "op": "all_reduce", "dtype": "float32", "numel": 3, "bytes": 12, "group_size": 2}]

@@ -25,7 +25,7 @@ def _four_ranks(ctx):
 
 @pytest.fixture(scope="module")
 def two():
-    return launch(_two_ranks, world_size=2, output="none")
+    return launch(_two_ranks, world_size=2, output="none", backend="gloo")
 
 
 @NEEDS_FSDP2
@@ -74,7 +74,7 @@ def test_bf16_loses_an_update_below_half_its_spacing():
 
 @NEEDS_FSDP2
 def test_hsdp_places_replicate_shard_and_matches_ddp():
-    ranks = launch(_four_ranks, world_size=4, output="none")
+    ranks = launch(_four_ranks, world_size=4, output="none", backend="gloo")
     hsdp, shard_only = ranks[0]["hsdp"], ranks[0]["shard_only"]
     assert hsdp["placements"] == ["R", "S(0)"] and hsdp["mesh"] == "[[0, 1], [2, 3]]"
     units = hsdp["units"]
@@ -104,7 +104,7 @@ def _tp_fsdp(ctx):
 
 @NEEDS_FSDP2
 def test_tensor_parallel_inside_fsdp2_matches_ddp_over_dp():
-    ranks = launch(_tp_fsdp, world_size=4, output="none")
+    ranks = launch(_tp_fsdp, world_size=4, output="none", backend="gloo")
     run = ranks[0]["tp_fsdp"]
     assert run["placements"]["0.weight"].endswith("Shard(dim=0))") and run["placements"]["2.weight"] == "(Shard(dim=0), Shard(dim=1))"
     units = 4
@@ -132,7 +132,7 @@ def _prefetch(ctx):
 
 @NEEDS_FSDP2
 def test_forward_prefetch_gathers_ahead_and_holds_more_units():
-    runs = launch(_prefetch, world_size=2, output="none")[0]
+    runs = launch(_prefetch, world_size=2, output="none", backend="gloo")[0]
     for run in runs:
         assert run["order"].count("all_gather") == 4 and run["backward_all_gather"] == 4  # the same gathers...
         assert run["max_units_alive"] == 1 + run["prefetch"]  # ...issued earlier: k more units alive at once
