@@ -120,6 +120,12 @@ def test_tensor_parallel_inside_fsdp2_matches_ddp_over_dp():
     assert max(abs(a - b) for a, b in zip(run["losses"], ranks[0]["ddp_dp4"]["losses"])) > 1e-5
 
 
+def test_a_2d_mesh_needs_an_even_world_of_four():
+    with pytest.raises(ValueError, match="even world of at least 4"):
+        fsdp_depth._check_even(2, "HSDP")
+    fsdp_depth._check_even(4, "HSDP")  # control: 4 is fine
+
+
 @pytest.mark.skipif(fsdp.cpu_supported(), reason="this torch runs FSDP2 on the CPU")
 def test_old_torch_is_refused_before_ranks_start():
     with pytest.raises(UserError, match="torch >= 2.7"):

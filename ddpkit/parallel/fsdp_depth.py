@@ -1,4 +1,4 @@
-"""FSDP2 as it is used: what ``reshard_after_forward``, ``MixedPrecisionPolicy`` and a 2-D mesh change, counted.
+"""FSDP2 as it is used: what its knobs (resharding, mixed precision, prefetch, meshes, offload) change, counted.
 
 Every function here runs on real ranks (``ddpkit.launch``) and measures; nothing is modelled.
 
@@ -15,10 +15,16 @@ Every function here runs on real ranks (``ddpkit.launch``) and measures; nothing
   casts the sharded fp32 parameters to bf16 *before* the all-gather (half the bytes on the wire),
   computes in bf16, and reduce-scatters gradients in fp32; "the optimizer step uses the sharded
   parameter in the original dtype" (``MixedPrecisionPolicy``'s docstring): the fp32 shards are the
-  master weights, at no extra memory. :func:`lost_update` shows why the master must be fp32: bf16 keeps 8 significant bits.
+  master weights, at no extra memory. :func:`lost_update` shows why the master must be fp32: bf16
+  keeps 8 significant bits.
+* **Prefetch.** ``set_modules_to_forward_prefetch`` / ``set_modules_to_backward_prefetch`` issue the
+  same all-gathers earlier; :func:`run_prefetch` counts how many units are then gathered at once.
 * **HSDP.** ``fully_shard(module, mesh=mesh_2d)`` with a 2-D mesh (replicate, shard) shards within a
   group and replicates across groups: parameters are ``DTensor`` s placed ``(Replicate(), Shard(0))``,
   gradients are reduce-scattered in the shard group then all-reduced across the replicate group.
+* **TP x FSDP2** (:func:`run_tp_fsdp`): tensor parallelism on the inner axis of a ``(dp, tp)`` mesh,
+  ``fully_shard`` on the outer, as torchtitan composes them. **CPU offload**: ``run_fsdp(offload=True)``
+  and :func:`offload_bytes`, what ``CPUOffloadPolicy`` would take off a GPU.
 
 FSDP2 runs on CPU tensors from torch 2.7 (see :mod:`ddpkit.parallel.fsdp`); :func:`check_supported`
 refuses an older torch before any rank starts.
@@ -33,6 +39,7 @@ import torch.distributed as dist
 
 from ddpkit.parallel import fsdp, memory
 from ddpkit.parallel.collective_log import CollectiveLog
+
 
 def check_supported() -> None:
     """Refuse, with the reason, a torch whose FSDP2 cannot run on the CPU (before any rank starts)."""
@@ -63,6 +70,11 @@ def batch_for(replica: int, step: int, width: int = 64, batch: int = 8, seed: in
     """The (inputs, targets) data-parallel replica ``replica`` trains on at ``step``: same on every run."""
     g = torch.Generator().manual_seed(seed + 1000 * step + replica)
     return torch.randn(batch, width, generator=g), torch.randn(batch, width, generator=g)
+
+
+def _check_even(world: int, what: str) -> None:
+    if world < 4 or world % 2:
+        raise ValueError(f"{what} here uses groups of 2 on a 2-D mesh: launch an even world of at least 4 ranks, not {world}")
 
 
 def _param_bytes(model: torch.nn.Module) -> dict:
@@ -96,6 +108,7 @@ def run_fsdp(ctx, *, reshard_after_forward: bool = True, mixed_precision: bool =
     if mesh == "1d":
         device_mesh, replica, replicas = init_device_mesh("cpu", (ctx.world_size,)), ctx.rank, ctx.world_size
     elif mesh in ("hsdp", "shard-only"):
+        _check_even(ctx.world_size, "HSDP")
         device_mesh = init_device_mesh("cpu", (ctx.world_size // 2, 2), mesh_dim_names=("replicate", "shard"))
         replica, replicas = ctx.rank, ctx.world_size  # every rank its own samples, as under DDP on the world
         if mesh == "shard-only":
@@ -228,6 +241,7 @@ def run_tp_fsdp(ctx, *, steps: int = 3, width: int = 64, depth: int = 4, lr: flo
     from torch.distributed.tensor.debug import CommDebugMode
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+    _check_even(ctx.world_size, "TP x FSDP2")
     mesh = init_device_mesh("cpu", (ctx.world_size // 2, 2), mesh_dim_names=("dp", "tp"))
     model = make_model(width, depth)
     linears = [name for name, m in model.named_children() if isinstance(m, torch.nn.Linear)]
