@@ -32,7 +32,7 @@ sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _common import write_results  # noqa: E402
-from test_notebooks import CHECKS  # noqa: E402
+from test_notebooks import CHECKS, lesson  # noqa: E402
 
 from ddpkit.notebook import read_records  # noqa: E402
 
@@ -70,7 +70,7 @@ def run_once(path: Path) -> dict:
     error = None
     try:
         client.execute()
-        CHECKS[path.name[:2]](read_records(json.loads(nbformat.writes(nb))))
+        CHECKS[lesson(path)](read_records(json.loads(nbformat.writes(nb))))
     except Exception as exc:  # noqa: BLE001 - a failed run is a result
         text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc)).strip()  # no terminal colours
         error = f"{type(exc).__name__}: {text[-1500:]}"
@@ -81,7 +81,7 @@ def run_once(path: Path) -> dict:
 
 def main(runs: int = 10, notebooks: list[str] | None = None) -> dict:
     os.environ["DDPKIT_PROGRESS"] = "text"
-    paths = [p for p in sorted((REPO / "notebooks").glob("[0-9][0-9]_*.ipynb")) if not notebooks or p.name[:2] in notebooks]
+    paths = [p for p in sorted((REPO / "notebooks").glob("[0-9][0-9]*_*.ipynb")) if not notebooks or lesson(p) in notebooks]
     stop = mp.Event()
     hogs = [mp.Process(target=hog, args=(stop,), daemon=True) for _ in range(os.cpu_count() or 1)]
     for h in hogs:

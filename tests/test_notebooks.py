@@ -13,8 +13,13 @@ from ddpkit.notebook import read_records
 from ddpkit.parallel import fsdp, pipeline
 
 REPO = Path(__file__).resolve().parents[1]
-NOTEBOOKS = sorted((REPO / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+NOTEBOOKS = sorted((REPO / "notebooks").glob("[0-9][0-9]*_*.ipynb"))
 RUNTIMES = REPO / "benchmarks" / "results" / "notebook_runtimes.json"
+
+
+def lesson(path: Path) -> str:
+    """A notebook's lesson number as its file name starts: "05", "10b"."""
+    return path.name.split("_", 1)[0]
 
 
 def check_01(records):
@@ -342,14 +347,40 @@ def check_20(records):
     assert len(records["playbook"]) == 8 and all(records["playbook"].values())
 
 
+def check_10b(records):
+    lost = records["mantissa"]["lost"]
+    assert lost["bf16"] == lost["weight"] < lost["fp32"] and records["mantissa"]["kept"]["bf16"] > 1.0
+    if not records["supported"]:  # a torch whose FSDP2 cannot run on the CPU: the cells said so and skipped
+        assert not fsdp.cpu_supported() and "reshard" not in records
+        return
+    reshard, units = records["reshard"], records["reshard"]["units"]
+    assert reshard["zero3"]["forward_all_gather"] == reshard["zero3"]["backward_all_gather"] == units
+    assert reshard["zero2"]["forward_all_gather"] == units and reshard["zero2"]["backward_all_gather"] == 0
+    calc = reshard["calculator"]
+    assert reshard["held_between"] == {"zero3": calc["zero3"], "zero2": calc["zero3"] + calc["zero2"]}
+    assert reshard["fsdp_vs_ddp"] < 1e-5
+    mixed = records["mixed_precision"]
+    assert mixed["dtypes"]["all_gather"] == ["bfloat16"] and mixed["dtypes"]["reduce_scatter"] == ["float32"]
+    assert 2 * mixed["bytes"]["bf16"]["all_gather"] == mixed["bytes"]["fp32"]["all_gather"]
+    assert 0 < mixed["loss_gap"] < 1e-2
+    hsdp = records["hsdp"]
+    assert hsdp["placements"] == ["R", "S(0)"] and hsdp["per_step"]["backward_all_reduce"] == hsdp["units"]
+    assert hsdp["gap"] < 1e-5 < hsdp["alone_gap"]
+    assert [r["max_units_alive"] for r in records["prefetch"]] == [1, 2, 3]
+    offload = records["offload"]
+    assert offload["same_losses"] and offload["state_off_device"] == 4 * offload["shard_bytes"]
+    tp = records["tp_fsdp"]
+    assert tp["gap"] < 1e-5 and tp["tp_all_reduce"] == 3 and tp["fsdp_per_step"]["backward_all_gather"] == units
+
+
 CHECKS = {"01": check_01, "02": check_02, "03": check_03, "04": check_04, "05": check_05, "06": check_06, "07": check_07, "08": check_08,
           "09": check_09, "10": check_10, "11": check_11, "12": check_12,
           "13": check_13, "14": check_14, "15": check_15, "16": check_16,
-          "17": check_17, "18": check_18, "19": check_19, "20": check_20}
+          "17": check_17, "18": check_18, "19": check_19, "20": check_20, "10b": check_10b}
 
 
 def test_every_notebook_has_a_results_check():
-    assert {p.name[:2] for p in NOTEBOOKS} <= set(CHECKS)
+    assert {lesson(p) for p in NOTEBOOKS} <= set(CHECKS)
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
@@ -360,7 +391,7 @@ def test_notebook_runs_and_its_results_hold(path, tmp_path, monkeypatch):
     papermill.execute_notebook(str(path), str(out), kernel_name="python3", cwd=str(path.parent),
                                execution_timeout=120, progress_bar=False)
     elapsed = time.monotonic() - started
-    CHECKS[path.name[:2]](read_records(json.loads(out.read_text())))
+    CHECKS[lesson(path)](read_records(json.loads(out.read_text())))
     runtimes = json.loads(RUNTIMES.read_text()) if RUNTIMES.exists() else {}
     runtimes[path.stem] = round(elapsed, 1)
     RUNTIMES.parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,147 @@
+"""FSDP2 in depth on real gloo ranks: ZeRO-3 vs ZeRO-2 gathers and bytes, mixed-precision dtypes, HSDP vs DDP."""
+
+import pytest
+import torch
+
+from ddpkit.errors import UserError
+from ddpkit.launch import launch
+from ddpkit.parallel import fsdp, fsdp_depth
+
+NEEDS_FSDP2 = pytest.mark.skipif(not fsdp.cpu_supported(), reason="FSDP2 runs on the CPU from torch 2.7")
+
+
+def _two_ranks(ctx):
+    return {"zero3": fsdp_depth.run_fsdp(ctx, reshard_after_forward=True),
+            "zero2": fsdp_depth.run_fsdp(ctx, reshard_after_forward=False),
+            "bf16": fsdp_depth.run_fsdp(ctx, mixed_precision=True),
+            "offload": fsdp_depth.run_fsdp(ctx, offload=True),
+            "ddp": fsdp_depth.run_ddp(ctx)}
+
+
+def _four_ranks(ctx):
+    return {"hsdp": fsdp_depth.run_fsdp(ctx, mesh="hsdp"), "shard_only": fsdp_depth.run_fsdp(ctx, mesh="shard-only"),
+            "ddp": fsdp_depth.run_ddp(ctx)}
+
+
+@pytest.fixture(scope="module")
+def two():
+    return launch(_two_ranks, world_size=2, output="none", backend="gloo")
+
+
+@NEEDS_FSDP2
+def test_reshard_after_forward_gathers_again_in_backward_and_holds_only_shards(two):
+    z3, z2 = two[0]["zero3"], two[0]["zero2"]
+    units = z3["units"]
+    assert z3["per_step"]["forward_all_gather"] == z2["per_step"]["forward_all_gather"] == units
+    assert z3["per_step"]["backward_all_gather"] == units
+    # negative control: without resharding after forward, the backward all-gathers vanish
+    assert z2["per_step"]["backward_all_gather"] == 0
+    assert z3["per_step"]["backward_reduce_scatter"] == z2["per_step"]["backward_reduce_scatter"] == units
+    expected = fsdp_depth.calculator_bytes(z3["param_sizes"], world=2)
+    assert z3["held_between"] == expected["zero3"]
+    assert z2["held_between"] == expected["zero3"] + expected["zero2"]  # shards kept + whole parameters
+    for run in (z3, z2):  # after backward FSDP2 reshards either way
+        assert all(h["after_step"] == {"sharded": expected["zero3"], "unsharded": 0} for h in run["held"])
+    assert z3["losses"] == z2["losses"]  # the same arithmetic, only the memory schedule differs
+
+
+@NEEDS_FSDP2
+def test_fsdp2_matches_ddp(two):
+    for rank in two:
+        assert max(abs(a - b) for a, b in zip(rank["zero3"]["losses"], rank["ddp"]["losses"])) < 1e-5
+
+
+@NEEDS_FSDP2
+def test_mixed_precision_gathers_bf16_and_reduces_fp32(two):
+    bf16, fp32 = two[0]["bf16"], two[0]["zero3"]
+    assert bf16["dtypes"]["all_gather"] == ["bfloat16"] and bf16["dtypes"]["reduce_scatter"] == ["float32"]
+    assert bf16["forward_dtype"] == "bfloat16"
+    # negative control: without the policy everything travels in fp32, at twice the gather bytes
+    assert fp32["dtypes"]["all_gather"] == ["float32"] and fp32["forward_dtype"] == "float32"
+    assert 2 * bf16["bytes_per_step"]["all_gather"] == fp32["bytes_per_step"]["all_gather"]
+    assert bf16["bytes_per_step"]["reduce_scatter"] == fp32["bytes_per_step"]["reduce_scatter"]
+    gap = max(abs(a - b) / abs(b) for a, b in zip(bf16["losses"], fp32["losses"]))
+    assert 0 < gap < 1e-2
+
+
+def test_bf16_loses_an_update_below_half_its_spacing():
+    lost = fsdp_depth.lost_update(1.0, 2.0 ** -9, steps=100)
+    assert lost["bf16"] == 1.0 and lost["fp32"] == pytest.approx(1.0 + 100 * 2.0 ** -9)
+    assert lost["bf16_spacing"] == 2.0 ** -7
+    kept = fsdp_depth.lost_update(1.0, 2.0 ** -6, steps=4)  # control: above the spacing, bf16 keeps it
+    assert kept["bf16"] == kept["fp32"] == 1.0 + 4 * 2.0 ** -6
+
+
+@NEEDS_FSDP2
+def test_hsdp_places_replicate_shard_and_matches_ddp():
+    ranks = launch(_four_ranks, world_size=4, output="none", backend="gloo")
+    hsdp, shard_only = ranks[0]["hsdp"], ranks[0]["shard_only"]
+    assert hsdp["placements"] == ["R", "S(0)"] and hsdp["mesh"] == "[[0, 1], [2, 3]]"
+    units = hsdp["units"]
+    assert hsdp["per_step"]["backward_all_reduce"] == units and hsdp["group_sizes"]["all_reduce"] == [2]
+    assert hsdp["group_sizes"]["all_gather"] == hsdp["group_sizes"]["reduce_scatter"] == [2]
+    for rank in ranks:
+        assert max(abs(a - b) for a, b in zip(rank["hsdp"]["losses"], rank["ddp"]["losses"])) < 1e-5
+    # negative control: the same shard groups without the replicate all-reduce drift away from DDP
+    assert shard_only["per_step"]["backward_all_reduce"] == 0
+    assert max(abs(a - b) for a, b in zip(shard_only["losses"], ranks[0]["ddp"]["losses"])) > 1e-5
+
+
+@NEEDS_FSDP2
+def test_cpu_offload_trains_the_same_and_says_what_would_leave_a_gpu(two):
+    off, on = two[0]["offload"], two[0]["zero3"]
+    assert off["losses"] == on["losses"] and off["param_device"] == "cpu"
+    moved = fsdp_depth.offload_bytes(off, world=2)
+    shard = on["held"][0]["before_forward"]["sharded"]
+    assert moved["state_off_device"] == 4 * shard  # fp32 shard + gradient shard + AdamW's two moments
+    assert moved["h2d_per_step"] == 2 * shard and moved["d2h_per_step"] == shard  # gathered twice, one gradient
+
+
+def _tp_fsdp(ctx):
+    return {"tp_fsdp": fsdp_depth.run_tp_fsdp(ctx), "ddp_dp2": fsdp_depth.run_ddp(ctx, replica=ctx.rank // 2),
+            "ddp_dp4": fsdp_depth.run_ddp(ctx)}
+
+
+@NEEDS_FSDP2
+def test_tensor_parallel_inside_fsdp2_matches_ddp_over_dp():
+    ranks = launch(_tp_fsdp, world_size=4, output="none", backend="gloo")
+    run = ranks[0]["tp_fsdp"]
+    assert run["placements"]["0.weight"].endswith("Shard(dim=0))") and run["placements"]["2.weight"] == "(Shard(dim=0), Shard(dim=1))"
+    units = 4
+    assert run["fsdp_per_step"] == {"forward_all_gather": units, "forward_reduce_scatter": 0,
+                                    "backward_all_gather": units, "backward_reduce_scatter": units}
+    counted = run["comm_debug_mode"]  # torch's own counter agrees with the log on FSDP2's collectives
+    count = lambda *words: sum(n for op, n in counted.items() if any(w in op for w in words))  # noqa: E731
+    assert count("allgather", "all_gather") == 2 * units and count("reduce_scatter") == units
+    assert count("allreduce", "all_reduce") == 2 + 1  # two row-parallel outputs; one column-parallel input gradient
+    for rank in ranks:
+        assert max(abs(a - b) for a, b in zip(rank["tp_fsdp"]["losses"], rank["ddp_dp2"]["losses"])) < 1e-5
+    # control: against DDP whose 4 ranks all see different samples, the comparison fails
+    assert max(abs(a - b) for a, b in zip(run["losses"], ranks[0]["ddp_dp4"]["losses"])) > 1e-5
+
+
+def test_a_2d_mesh_needs_an_even_world_of_four():
+    with pytest.raises(ValueError, match="even world of at least 4"):
+        fsdp_depth._check_even(2, "HSDP")
+    fsdp_depth._check_even(4, "HSDP")  # control: 4 is fine
+
+
+@pytest.mark.skipif(fsdp.cpu_supported(), reason="this torch runs FSDP2 on the CPU")
+def test_old_torch_is_refused_before_ranks_start():
+    with pytest.raises(UserError, match="torch >= 2.7"):
+        fsdp_depth.check_supported()
+
+
+def _prefetch(ctx):
+    return [fsdp_depth.run_prefetch(ctx, prefetch=k) for k in (0, 1, 2)]
+
+
+@NEEDS_FSDP2
+def test_forward_prefetch_gathers_ahead_and_holds_more_units():
+    runs = launch(_prefetch, world_size=2, output="none", backend="gloo")[0]
+    for run in runs:
+        assert run["order"].count("all_gather") == 4 and run["backward_all_gather"] == 4  # the same gathers...
+        assert run["max_units_alive"] == 1 + run["prefetch"]  # ...issued earlier: k more units alive at once
+        assert run["max_alive_bytes"] == run["max_units_alive"] * run["unit_bytes"]
+    assert runs[1]["order"][:3] == ["all_gather", "all_gather", "unit_start0"]
+    assert runs[0]["order"][:3] == ["all_gather", "unit_start0", "unit_end0"]  # control: no prefetch, one at a time
