@@ -239,9 +239,9 @@ def seed003_cluster(nodes: int = 16, inter_bandwidth: float = 50e9, inter_alpha_
     400 Gb/s = 50 GB/s). Peak bf16 312 TFLOP/s of which half is sustained (the Megatron-LM paper's end-to-end
     52% on 3072 GPUs); HBM 2.0 TB/s. The latencies (3 us a hop inside a node, 10 us across) are
     assumptions: they hardly matter for messages of tens of megabytes."""
-    from ddpkit.capstone import PEAK_TFLOPS
+    from ddpkit.capstone import peak_tflops
 
-    return Cluster(nodes=nodes, gpus_per_node=8, memory=80e9, flops=0.5 * PEAK_TFLOPS["A100"] * 1e12,
+    return Cluster(nodes=nodes, gpus_per_node=8, memory=80e9, flops=0.5 * peak_tflops("NVIDIA A100-SXM4-80GB") * 1e12,
                    intra=AlphaBeta(3e-6, 600e9), inter=AlphaBeta(inter_alpha_s, inter_bandwidth),
                    memory_bandwidth=2.0e12, name="seed 003: 16 x 8 A100-80GB")
 
