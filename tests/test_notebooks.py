@@ -318,7 +318,10 @@ def check_17(records):
 def check_18(records):
     routing = records["routing"]
     assert routing["dropped"] == sum(routing["routed"]) - sum(routing["kept"]) > 0 and max(routing["kept"]) <= routing["capacity"]
-    assert abs(records["aux"]["uniform"] - 1) < 1e-6 and records["aux"]["collapsed"] > records["aux"]["experts"] - 0.1
+    aux = records["aux"]
+    assert abs(aux["uniform"] - 1) < 1e-3 and len(set(aux["balanced_routed"])) == 1
+    assert abs(aux["tied_loss"] - 1) < 1e-6 and max(aux["tied_routed"]) == sum(aux["tied_routed"])  # 1, collapsed
+    assert aux["collapsed"] > aux["experts"] - 0.1
     assert records["training"]["last"] < records["training"]["first"] - 0.5
     split = records["expert_parallel"]
     assert split["max_diff"] <= 1e-5 and split["dropped"] > 0 and split["uneven"]
