@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from ddpkit import checkpoint
+from ddpkit import checkpoint, resume
 from ddpkit.config import TrainConfig
 from ddpkit.launch import launch
 from ddpkit.parallel.chunks import Chunked, flat_range_chunks
@@ -68,7 +68,7 @@ def _save_and_load(ctx, cfg, root: str, whole_everywhere: bool) -> dict:
     path = str(checkpoint.latest_good(root))
 
     def load():
-        saved = trainer.read_checkpoint(path)
+        saved = resume.read(trainer, path)
         if not whole_everywhere:
             strategy.load_sharded_state_dicts(trainer.model, trainer.optimizer, saved["model"], saved["optimizer"])
 
