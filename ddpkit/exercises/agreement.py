@@ -9,7 +9,7 @@ alone, and on all.
 
 from __future__ import annotations
 
-from ddpkit.exercises import Result, run_on_ranks
+from ddpkit.exercises import Result, graded, run_on_ranks
 
 WORLD = 3
 
@@ -19,6 +19,7 @@ def _on_rank(ctx, fn) -> list[bool]:
     return [bool(fn(ctx.rank in noticed)) for noticed in cases]
 
 
+@graded("14_should_stop", "should_stop")
 def check_should_stop(fn) -> Result:
     runs = run_on_ranks(getattr(fn, "__name__", "should_stop"), _on_rank, fn, world_size=WORLD)
     if isinstance(runs, Result):

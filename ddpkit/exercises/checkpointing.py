@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from ddpkit.exercises import Result
+from ddpkit.exercises import Result, graded
 
 KILLS, NUMEL, LOAD_TIMEOUT_S = 12, 1 << 18, 20.0
 
@@ -73,6 +73,7 @@ def _run(context, target, args, timeout: float) -> int | None:
     return proc.exitcode
 
 
+@graded("06_checkpoint", "checkpoint")
 def check_checkpoint(save_fn, load_fn, kills: int = KILLS, seed: int = 0) -> Result:
     """Kill the writer ``kills`` times at random instants; load after each (see the module docstring)."""
     context = multiprocessing.get_context("fork")

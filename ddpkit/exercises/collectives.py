@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ddpkit.exercises import Result, Wrong, run_on_ranks
+from ddpkit.exercises import Result, Wrong, graded, run_on_ranks
 
 LENGTHS = (1, 5, 1000, 4097)
 COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "reduce", "reduce_scatter", "all_to_all", "gather", "scatter",
@@ -70,6 +70,7 @@ def _on_rank(ctx, fn) -> dict:
     return {"rank": ctx.rank, "rows": out}
 
 
+@graded("09_ring_all_reduce", "ring_all_reduce")
 def check_ring_all_reduce(fn) -> Result:
     """Check an all-reduce built from point-to-point messages on 2, 3 and 4 ranks (see the module docstring)."""
     for world in (2, 3, 4):

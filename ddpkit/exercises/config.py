@@ -16,7 +16,7 @@ import subprocess
 import sys
 import textwrap
 
-from ddpkit.exercises import Result, not_implemented
+from ddpkit.exercises import Result, graded, not_implemented
 
 CONFIG = {"model": "gpt", "lr": 0.001, "micro_batch_size": 8, "grad_accum": 2, "seed": 17, "layers": [2, 4]}
 
@@ -31,6 +31,7 @@ def _in_fresh_process(fn, config: dict) -> str:
     return proc.stdout.strip().splitlines()[-1]
 
 
+@graded("01_config_digest", "config_digest")
 def check_config_digest(fn) -> Result:
     try:
         here = fn(dict(CONFIG))

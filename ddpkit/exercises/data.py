@@ -14,7 +14,7 @@ resume, and the same global stream on another world size.
 
 from __future__ import annotations
 
-from ddpkit.exercises import Result, Wrong, run_on_ranks
+from ddpkit.exercises import Result, Wrong, graded, run_on_ranks
 
 N, G, SEED, EPOCHS = 100, 12, 7, 3  # 100 samples, global batch 12: epochs of 96, 4 left out
 
@@ -71,6 +71,7 @@ def _check_world(runs: list[dict], world: int) -> list[list[set[int]]]:
     return batches
 
 
+@graded("02_sampler", "sampler")
 def check_sampler(cls) -> Result:
     """Check a ``ResumableDistributedSampler``-like class on 2 and 3 ranks (see the module docstring)."""
     start = G * 3  # resume after 3 global batches of epoch 0

@@ -18,7 +18,7 @@ import time
 import torch
 import torch.nn as nn
 
-from ddpkit.exercises import Result, Wrong, run_on_ranks
+from ddpkit.exercises import Result, Wrong, graded, run_on_ranks
 
 STEPS, LR = 3, 0.1
 
@@ -74,6 +74,7 @@ def _on_rank(ctx, cls) -> dict:
     return {"diff": diff, "overlap": overlapped}
 
 
+@graded("05_ddp_from_scratch", "ddp")
 def check_ddp(cls) -> Result:
     runs = run_on_ranks(getattr(cls, "__name__", "the DDP wrapper"), _on_rank, cls, world_size=2)
     if isinstance(runs, Result):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ddpkit.exercises import Result, Wrong, run_on_ranks
+from ddpkit.exercises import Result, Wrong, graded, run_on_ranks
 
 STEPS, LR = 3, 0.1
 GATHERS = ("all_gather_into_tensor", "all_gather", "_all_gather_base")
@@ -84,6 +84,7 @@ def _on_rank(ctx, cls) -> dict:
             "shard_bytes": shard_bytes}
 
 
+@graded("10_fsdp_from_scratch", "fsdp")
 def check_fsdp(cls) -> Result:
     runs = run_on_ranks(getattr(cls, "__name__", "the sharded wrapper"), _on_rank, cls, world_size=2)
     if isinstance(runs, Result):

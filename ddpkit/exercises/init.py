@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ddpkit.exercises import Result, run_on_ranks
+from ddpkit.exercises import Result, graded, run_on_ranks
 
 WORLD = 3
 
@@ -24,6 +24,7 @@ def _on_rank(ctx, fn) -> dict:
     return {"before": before, "after": [p.detach().clone() for p in model.parameters()]}
 
 
+@graded("04_broadcast_parameters", "broadcast_parameters")
 def check_broadcast_parameters(fn) -> Result:
     runs = run_on_ranks(getattr(fn, "__name__", "broadcast_parameters"), _on_rank, fn, world_size=WORLD)
     if isinstance(runs, Result):

@@ -14,7 +14,7 @@ import math
 import torch
 import torch.nn as nn
 
-from ddpkit.exercises import Result, not_implemented, run_on_ranks
+from ddpkit.exercises import Result, graded, not_implemented, run_on_ranks
 
 STAGES = {"ddp": (False, False, False), "zero1": (False, False, True), "zero2": (False, True, True), "zero3": (True, True, True)}
 WHAT = {0: "parameters", 1: "gradients", 2: "optimizer state"}
@@ -41,6 +41,7 @@ def _measured(ctx) -> dict:
             "optimizer": sum(size(v) for s in optimizer.state.values() for k, v in s.items() if k != "step")}
 
 
+@graded("03_state_bytes", "state_bytes")
 def check_state_bytes(fn) -> Result:
     try:
         for params, world in ((1_000, 4), (1_001, 4), (7_000_000_000, 8), (10, 3)):

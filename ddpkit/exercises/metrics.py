@@ -8,7 +8,7 @@ runs it on 3 real ranks with 2, 8 and 20 samples.
 
 from __future__ import annotations
 
-from ddpkit.exercises import Result, run_on_ranks
+from ddpkit.exercises import Result, graded, run_on_ranks
 
 COUNTS, MEANS = (2, 8, 20), (3.0, 1.0, 0.5)
 
@@ -17,6 +17,7 @@ def _on_rank(ctx, fn) -> float:
     return float(fn(MEANS[ctx.rank] * COUNTS[ctx.rank], COUNTS[ctx.rank]))
 
 
+@graded("07_global_mean_loss", "global_mean_loss")
 def check_global_mean_loss(fn) -> Result:
     runs = run_on_ranks(getattr(fn, "__name__", "global_mean_loss"), _on_rank, fn, world_size=len(COUNTS))
     if isinstance(runs, Result):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ddpkit.exercises import Result, run_on_ranks
+from ddpkit.exercises import Result, graded, run_on_ranks
 
 STEPS, BATCH, HP = 3, 8, {"lr": 0.01, "betas": (0.9, 0.999), "eps": 0.1, "weight_decay": 0.01}
 
@@ -89,6 +89,7 @@ def _adamw_bytes() -> int:
     return held_bytes(optimizer, exclude)
 
 
+@graded("10_zero1", "zero1")
 def check_zero1(cls) -> Result:
     """Check a ZeRO-1 optimizer on 2 and 4 ranks (see the module docstring)."""
     for world in (2, 4):

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ddpkit.exercises import Result, Wrong, run_on_ranks
+from ddpkit.exercises import Result, Wrong, graded, run_on_ranks
 
 WORLD, ACCUM, MICRO, LR = 2, 4, 4, 0.1
 
@@ -105,6 +105,7 @@ def _compare(runs: list[dict], expected: dict, losses: list[float], clip_binds: 
                 f"{float((got - want).abs().max()):.2e}): the gradient must be the mean over all ranks' samples")
 
 
+@graded("05_train_step", "train_step")
 def check_train_step(fn) -> Result:
     """Check a train step on 2 ranks (see the module docstring)."""
     unclipped, losses = _reference(1e9)

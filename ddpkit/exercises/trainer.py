@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import dataclasses
 
-from ddpkit.exercises import Result, Wrong, not_implemented, run_on_ranks
+from ddpkit.exercises import Result, Wrong, graded, not_implemented, run_on_ranks
 
 STEPS = 12
 
 
+@graded("00_build_it_live", "config")
 def check_config_class(cls) -> Result:
     try:
         if not dataclasses.is_dataclass(cls):
@@ -48,6 +49,7 @@ def _learner(ctx, run, cfg) -> str:
     return metrics.state_sha256(state)
 
 
+@graded("00_build_it_live", "run")
 def check_trainer(run, steps: int = STEPS) -> Result:
     from ddpkit import train
     from ddpkit.config import TrainConfig
@@ -68,6 +70,7 @@ def check_trainer(run, steps: int = STEPS) -> Result:
     return Result(True, f"bitwise ddpkit train: the same param_sha256 after {steps} steps on 2 ranks ({reference[:16]})")
 
 
+@graded("00_build_it_live", "model_and_optimizer")
 def check_model_and_optimizer(fn) -> Result:
     """``fn(cfg) -> (model, optimizer)``: ddpkit's model for ``cfg`` (its seeded initial weights) and AdamW at
     the schedule's first learning rate with the config's weight decay."""
