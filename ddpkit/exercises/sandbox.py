@@ -75,10 +75,12 @@ def _watch(proc: subprocess.Popen, folder: str, budget_units: float, memory_mb: 
     """Wait for the sandbox within its limits; None when it ended by itself, else the sentence why not."""
     started = time.monotonic()
     limit = IMPORT_ALLOWANCE_S + budget_units * timing.FLOOR_S / 5  # until the baseline arrives
+    measured = False
     while proc.poll() is None:
-        baseline = _read_baseline(folder)
-        if baseline is not None:
-            limit = IMPORT_ALLOWANCE_S + min(timing.CEILING_S * 4, max(timing.FLOOR_S * 6, budget_units * baseline))
+        baseline = None if measured else _read_baseline(folder)
+        if baseline is not None:  # from now on: the check's own budget, in this machine's baselines
+            measured = True
+            limit = time.monotonic() - started + min(timing.CEILING_S * 4, max(timing.FLOOR_S * 6, budget_units * baseline))
         if timing.group_rss_bytes(proc.pid) > memory_mb * 2**20:
             _kill(proc)
             return f"used more than {memory_mb // 1024} GB of memory: look for a tensor or a list that grows without end"
@@ -170,6 +172,7 @@ def _child(folder: str) -> None:
     seconds = timing.probe()
     with open(os.path.join(folder, "baseline.json"), "w") as handle:
         json.dump({"seconds": seconds, "isolation": isolation}, handle)
+    witness.install_file_witness()
     watcher.install()
     guard.install()
     results = []
@@ -226,6 +229,10 @@ def _one_check(ex, name: str, check, namespace: dict, loaded: str | None, watche
     if missing:
         return {"passed": False, "message": f"{missing[0]} is not defined between the markers: keep the name the "
                                             f"contract gives"}
+    for n in names:
+        label = watcher.label_of(namespace[n])
+        if label is not None:
+            return {"passed": False, "message": f"{n} {label}"}
     try:
         result = check(*(namespace[n] for n in names))
     except BaseException as exc:  # noqa: BLE001 - a check must answer, whatever the code did

@@ -105,17 +105,13 @@ def _code_file(obj: Any) -> str | None:
 
 def _module_ref(obj: Any) -> str | None:
     """``module:name`` when ``obj`` is a global of an importable module other than ``__main__``."""
-    module = sys.modules.get(getattr(obj, "__module__", None) or "")
-    if module is None or module.__name__ == "__main__" or not getattr(module, "__file__", None):
-        for name, mod in list(sys.modules.items()):
-            if name != "__main__" and getattr(mod, "__file__", None) and any(v is obj for v in vars(mod).values()):
-                module = mod
-                break
-        else:
-            return None
-    for name, value in vars(module).items():
-        if value is obj:
-            return f"{module.__name__}:{name}"
+    first = sys.modules.get(getattr(obj, "__module__", None) or "")
+    for module in [first, *list(sys.modules.values())]:
+        if module is None or getattr(module, "__name__", "__main__") == "__main__" or not getattr(module, "__file__", None):
+            continue
+        for name, value in list(vars(module).items()):
+            if value is obj:
+                return f"{module.__name__}:{name}"
     return None
 
 

@@ -76,6 +76,17 @@ class ForbiddenCalls:
         self.learner_files = set(learner_files)
         self.hits: list[str] = []
 
+    def label_of(self, obj: Any) -> str | None:
+        """The sentence for a contract object that *is* a forbidden implementation (or a partial of one, or
+        a class built on one): the check calls it directly, so no frame of the learner's is on the stack."""
+        obj = getattr(obj, "func", obj)  # functools.partial
+        for cls in inspect.getmro(obj) if inspect.isclass(obj) else (obj,):
+            for code in _code_objects(cls):
+                label = self.labels.get(_key(code))
+                if label is not None:
+                    return label
+        return None
+
     def _from_learner(self, frame) -> bool:
         while frame is not None:
             if frame.f_code.co_filename in self.learner_files:
@@ -179,3 +190,68 @@ COLLECTIVE_OPS = frozenset({"allreduce", "allreduce_coalesced", "broadcast", "al
                             "_reduce_scatter_base", "reduce_scatter_tensor_coalesced", "reduce", "gather", "scatter",
                             "alltoall", "alltoall_base", "all_reduce", "all_gather_into_tensor",
                             "reduce_scatter_tensor", "all_to_all_single", "broadcast_"})
+
+
+FILE_LOG_ENV = "DDPKIT_FILE_LOG"  # where the file witness writes, while a check wants it
+
+
+def install_file_witness() -> None:
+    """Wrap ``os.fsync``, ``os.fdatasync``, ``os.sync``, ``os.replace`` and ``os.rename`` (before the learner's
+    code is imported, so ``from os import fsync`` gets the wrapper too): while ``DDPKIT_FILE_LOG`` names a
+    file, each call appends ``fsync <path>``, ``sync`` or ``rename <src> <dst>`` to it, in call order.
+    ``pathlib``'s ``replace``/``rename`` and ``shutil.move`` go through these functions."""
+    import os
+
+    def log(line: str) -> None:
+        path = os.environ.get(FILE_LOG_ENV)
+        if path:
+            with open(path, "a") as handle:
+                handle.write(line + "\n")
+
+    def wrap_fd(original):
+        def wrapper(fd, *args, **kwargs):
+            result = original(fd, *args, **kwargs)
+            number = fd if isinstance(fd, int) else fd.fileno()
+            try:
+                log(f"fsync\t{os.readlink(f'/proc/self/fd/{number}')}")
+            except OSError:
+                log("fsync\t?")
+            return result
+        return wrapper
+
+    def wrap_rename(original):
+        def wrapper(src, dst, *args, **kwargs):
+            result = original(src, dst, *args, **kwargs)
+            log(f"rename\t{os.path.realpath(os.fsdecode(src))}\t{os.path.realpath(os.fsdecode(dst))}")
+            return result
+        return wrapper
+
+    original_sync = os.sync
+
+    def sync():
+        original_sync()
+        log("sync")
+
+    os.fsync, os.fdatasync, os.sync = wrap_fd(os.fsync), wrap_fd(os.fdatasync), sync
+    os.replace, os.rename = wrap_rename(os.replace), wrap_rename(os.rename)
+
+
+def unsynced_renames(log_path: str) -> list[str]:
+    """Targets renamed into place before their source file was forced to disk (no fsync of it, no sync)."""
+    synced, bad = set(), []
+    try:
+        with open(log_path) as handle:
+            lines = [line.rstrip("\n").split("\t") for line in handle]
+    except OSError:
+        return []
+    for parts in lines:
+        if parts[0] == "sync":
+            synced.add("*")
+        elif parts[0] == "fsync" and len(parts) > 1:
+            synced.add(parts[1])
+        elif parts[0] == "rename" and len(parts) > 2:
+            if parts[1] not in synced and "*" not in synced:
+                bad.append(parts[2])
+            synced.discard(parts[1])
+            synced.discard("*")
+    return bad
