@@ -435,10 +435,10 @@ def test_same_everywhere_check():
     assert "a norm or a sum cannot see it" in check_same_everywhere(norms_agree).message
 
 
-MyDDP = load("05_ddp_from_scratch.ipynb", "MyDDP")
+NaiveDDP, OverlapDDP, BucketedDDP = load("05_ddp_from_scratch.ipynb", "NaiveDDP", "OverlapDDP", "BucketedDDP")
 
 
-class AllReduceAtTheEnd(MyDDP):  # correct gradients, no overlap
+class AllReduceAtTheEnd(BucketedDDP):  # correct gradients, no overlap
     def _gradient_ready(self, p):
         pass
 
@@ -449,7 +449,7 @@ class AllReduceAtTheEnd(MyDDP):  # correct gradients, no overlap
         super().finish()
 
 
-class NoBroadcast(MyDDP):
+class NoBroadcast(BucketedDDP):
     def __init__(self, module, bucket_bytes):
         real = dist.broadcast
         dist.broadcast = lambda *args, **kwargs: None
@@ -459,7 +459,7 @@ class NoBroadcast(MyDDP):
             dist.broadcast = real
 
 
-class BlockingBuckets(MyDDP):
+class BlockingBuckets(BucketedDDP):
     def _gradient_ready(self, p):
         i = self.bucket_of[id(p)]
         self.ready[i] += 1
@@ -469,13 +469,52 @@ class BlockingBuckets(MyDDP):
             self.pending.append((i, flat, type("Done", (), {"wait": lambda self: None})()))
 
 
-def test_ddp_from_scratch_check():
-    from ddpkit.exercises.ddp import check_ddp
+class WaitsAtOnce(OverlapDDP):  # async_op=True, then waited for inside the hook: nothing overlaps
+    def _gradient_ready(self, p):
+        super()._gradient_ready(p)
+        self.pending[-1].wait()
 
-    assert check_ddp(MyDDP).passed
-    assert "were launched after backward finished" in check_ddp(AllReduceAtTheEnd).message
-    assert "broadcast rank 0's parameters at construction" in check_ddp(NoBroadcast).message
-    assert "without async_op=True" in check_ddp(BlockingBuckets).message
+
+class IgnoresBucketBytes(OverlapDDP):  # one all-reduce per parameter, whatever bucket_bytes says
+    def __init__(self, module, bucket_bytes):
+        super().__init__(module)
+
+
+class DividesByTwo(NaiveDDP):  # right on 2 ranks only
+    def finish(self):
+        for p in self.params:
+            dist.all_reduce(p.grad)
+            p.grad.div_(2)
+
+
+class TorchInside(torch.nn.Module):  # torch's DDP, with a comm hook, behind the contract's name
+    def __init__(self, module):
+        super().__init__()
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        self.inner = torch.nn.parallel.DistributedDataParallel(module)
+        self.inner.register_comm_hook(None, allreduce_hook)
+
+    def forward(self, *args):
+        return self.inner(*args)
+
+    def finish(self):
+        pass
+
+
+def test_ddp_from_scratch_checks():
+    from ddpkit.exercises.ddp import check_bucketed_ddp, check_naive_ddp, check_overlap_ddp
+
+    assert check_naive_ddp(NaiveDDP).passed
+    assert check_overlap_ddp(OverlapDDP).passed
+    assert check_bucketed_ddp(BucketedDDP).passed
+    assert "divided by the number of ranks, whatever it is" in check_naive_ddp(DividesByTwo).message
+    assert "runs torch's DistributedDataParallel" in check_naive_ddp(TorchInside).message
+    assert "waited on while backward ran" in check_overlap_ddp(WaitsAtOnce).message
+    assert "fill each bucket to bucket_bytes" in check_bucketed_ddp(IgnoresBucketBytes).message
+    assert "were launched while backward ran" in check_bucketed_ddp(AllReduceAtTheEnd).message
+    assert "start from rank 0's weights" in check_bucketed_ddp(NoBroadcast).message
+    assert "waited on while backward ran" in check_bucketed_ddp(BlockingBuckets).message
 
 
 MyFSDP = load("10_fsdp_from_scratch.ipynb", "MyFSDP")

@@ -54,13 +54,15 @@ EXERCISES = [
     Exercise("05_train_step", {"train_step": ("ddpkit.exercises.step:check_train_step", ("train_step",))},
              {"ddpkit.step:train_step": KIT.format(what="train step", ref="ddpkit.step.train_step"),
               "ddpkit.step:MicroStep": KIT.format(what="micro-step", ref="ddpkit.step.MicroStep")}),
-    Exercise("05_ddp_from_scratch", {"ddp": ("ddpkit.exercises.ddp:check_ddp", ("MyDDP",))},
+    Exercise("05_ddp_from_scratch", {"naive": ("ddpkit.exercises.ddp:check_naive_ddp", ("NaiveDDP",)),
+                                     "overlap": ("ddpkit.exercises.ddp:check_overlap_ddp", ("OverlapDDP",)),
+                                     "buckets": ("ddpkit.exercises.ddp:check_bucketed_ddp", ("BucketedDDP",))},
              {DDP: "runs torch's DistributedDataParallel (its reducer does the work): build the hooks and buckets "
                    "yourself",
               "torch.distributed._composable.replicate:replicate": "runs torch's replicate (DDP underneath): build the "
                                                                      "hooks and buckets yourself",
               "ddpkit.parallel.ddp:DDPStrategy": KIT.format(what="DDP strategy", ref="ddpkit.parallel.ddp")},
-             budget_units=60.0),
+             budget_units=150.0),
     Exercise("06_checkpoint", {"checkpoint": ("ddpkit.exercises.checkpointing:check_checkpoint", ("save_fn", "load_fn"))},
              {"ddpkit.files:atomic_write": KIT.format(what="atomic writer", ref="ddpkit.files"),
               "ddpkit.files:write_atomic": KIT.format(what="atomic writer", ref="ddpkit.files"),

@@ -77,7 +77,7 @@ def published_solution(exercise_id: str) -> str | None:
 
 def _solution_only(code: str) -> str:
     """A master's marked code without otter's prompt strings and markers."""
-    return re.sub(r'""" # BEGIN PROMPT.*?""" # END PROMPT', "", code, flags=re.S)
+    return re.sub(r"(\"\"\"|''') # BEGIN PROMPT.*?(\"\"\"|''') # END PROMPT", "", code, flags=re.S)
 
 
 def is_published_solution(exercise_id: str, code: str) -> bool:
