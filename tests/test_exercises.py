@@ -232,12 +232,58 @@ class WholeState:  # correct parameters, but every rank keeps AdamW's whole stat
         self.inner.zero_grad()
 
 
+SHADOW = {}  # a module global: where a cheat hides AdamW's whole state
+
+
+class HiddenWholeState(ZeroAdamW):  # correct updates from the shards, and a full AdamW kept aside
+    def step(self):
+        if "adam" not in SHADOW:
+            SHADOW["params"] = [p.detach().clone().requires_grad_(True) for p in self.params]
+            SHADOW["adam"] = torch.optim.AdamW(SHADOW["params"])
+        for shadow, p in zip(SHADOW["params"], self.params):
+            shadow.grad = p.grad.clone()
+        SHADOW["adam"].step()
+        super().step()
+
+
+class KeepsItsBuffers(ZeroAdamW):  # keeps the padded gradients and the all-gather output between steps
+    def step(self):
+        grads = torch.cat([p.grad.reshape(-1) for p in self.params])
+        self.padded = torch.zeros(self.shard * self.world)
+        self.padded[:grads.numel()] = grads
+        super().step()
+        self.everything = torch.cat([p.detach().reshape(-1) for p in self.params])
+
+
+class WholeParameters:  # CS336's design: each rank owns whole parameters, round robin, and their AdamW
+    def __init__(self, params, lr, betas, eps, weight_decay):
+        self.params, self.world, self.rank = list(params), dist.get_world_size(), dist.get_rank()
+        self.owner = [i % self.world for i in range(len(self.params))]
+        mine = [p for p, o in zip(self.params, self.owner) if o == self.rank]
+        self.inner = torch.optim.AdamW(mine, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+
+    def step(self):
+        for p in self.params:
+            dist.all_reduce(p.grad)
+            p.grad /= self.world
+        self.inner.step()
+        for p, owner in zip(self.params, self.owner):
+            dist.broadcast(p.data, src=owner)
+
+    def zero_grad(self):
+        for p in self.params:
+            p.grad = None
+
+
 def test_zero1_check():
     assert check_zero1(ZeroAdamW).passed
     assert check_zero1(load("10_zero1.ipynb", "ZeroAdamW", solved=False)).message.startswith("not implemented yet")
     assert "must all-gather the updated shards" in check_zero1(NoAllGather).message
     assert "differ from DDP + AdamW" in check_zero1(SumNotMean).message
-    assert "1.00x AdamW's state on its fullest rank" in check_zero1(WholeState).message
+    assert "on 4 ranks a rank keeps 1.0" in check_zero1(WholeState).message
+    assert "on 4 ranks a rank keeps" in check_zero1(HiddenWholeState).message
+    assert check_zero1(KeepsItsBuffers).passed, "a kept all-gather buffer is a layout, not optimizer state"
+    assert check_zero1(WholeParameters).passed, "CS336's parameter-granular ZeRO-1 is right too"
 
 
 # --------------------------------------------------------------------------- the checkpoint
@@ -538,6 +584,22 @@ class NeverFrees(MyFSDP):
             p.data = data
 
 
+class KeepsAGatheredCopy(MyFSDP):  # frees module.parameters(), but keeps the full vector in an attribute
+    def forward(self, *args, **kwargs):
+        out = super().forward(*args, **kwargs)
+        self.kept = torch.cat([p.detach().reshape(-1) for p in self.params])
+        return out
+
+
+class ShardTooLong(MyFSDP):  # ceil(P/N) + 7 elements: right updates, more memory than the contract
+    def __init__(self, module):
+        super().__init__(module)
+        self.length += 7
+        padded = torch.zeros(self.length * self.world)
+        flat = torch.cat([self.shard.detach(), torch.zeros(7)])
+        self.shard = torch.nn.Parameter(flat)
+
+
 class SumsGradients(MyFSDP):
     def finish(self):
         super().finish()
@@ -549,7 +611,9 @@ def test_fsdp_from_scratch_check():
 
     assert check_fsdp(MyFSDP).passed
     assert "an all-reduce gives every rank the whole gradient" in check_fsdp(AllReduceGradients).message
-    assert "between steps the module still holds" in check_fsdp(NeverFrees).message
+    assert "between steps the wrapper still holds" in check_fsdp(NeverFrees).message
+    assert "between steps the wrapper still holds" in check_fsdp(KeepsAGatheredCopy).message
+    assert "where ceil(P/N) elements make" in check_fsdp(ShardTooLong).message
     assert "the parameters differ from DDP's" in check_fsdp(SumsGradients).message
 
 

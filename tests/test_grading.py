@@ -164,3 +164,77 @@ def test_a_check_cell_answers_in_a_kernel_that_already_belongs_to_a_process_grou
     outputs = [o for c in nb.cells for o in c.get("outputs", [])]
     shown = "".join(o.get("data", {}).get("text/plain", "") + o.get("text", "") for o in outputs)
     assert "PASSED: " in shown and "Traceback" not in shown, shown
+
+
+KIT_ANSWERS = [  # the kit's own answer, or PyTorch's, reached under the contract's name: refused by what runs
+    ("02_sampler", "from ddpkit.data import ResumableDistributedSampler", "uses the kit's own sampler"),
+    ("02_sampler", "from torch.utils.data import DistributedSampler\n\n\n"
+                   "class ResumableDistributedSampler(DistributedSampler):\n"
+                   "    def __init__(self, n, world, rank, batch, seed):\n"
+                   "        super().__init__(range(n), num_replicas=world, rank=rank, seed=seed, drop_last=True)\n\n"
+                   "    def set_consumed(self, n):\n        self.set_epoch(n // 96)\n", "uses torch's DistributedSampler"),
+    ("10_zero1", "from ddpkit.parallel.zero import ZeroAdamW as _Kit\n\n\n"
+                 "class ZeroAdamW(_Kit):\n    pass\n", "uses the kit's own ZeRO-1 optimizer"),
+    ("13_one_f_one_b", "from ddpkit.parallel.pipeline import one_f_one_b as _schedule\n\n\n"
+                       "def one_f_one_b(p, m):\n    return [[(a.kind, a.micro) for a in stage] for stage in _schedule(p, m)]\n",
+     "uses the kit's own schedule"),
+    ("12_f_and_g", "from ddpkit.parallel.tensor import CopyToTP, ReduceFromTP\n\n\n"
+                   "def copy_to_parallel(x):\n    return CopyToTP.apply(x, None)\n\n\n"
+                   "def reduce_from_parallel(x):\n    return ReduceFromTP.apply(x, None)\n", "uses the kit's own"),
+    ("07_global_mean_loss", "import torch\nimport torch.distributed as dist\n\n\n"
+                            "def global_mean_loss(loss_sum, count):\n    return 0.8\n", "is not the mean over all samples"),
+]
+
+
+def test_the_kits_and_torchs_own_answers_are_refused_and_a_constant_fails():
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ddpkit.exercises import sandbox
+
+    with ThreadPoolExecutor(2) as pool:
+        found = list(pool.map(lambda case: sandbox.run(case[0], case[1]), KIT_ANSWERS))
+    for (exercise, _, says), rows in zip(KIT_ANSWERS, found):
+        assert len(rows) == 1 and not rows[0]["passed"] and says in rows[0]["message"], (exercise, rows)
+        assert len(rows[0]["message"]) < 200
+
+
+def _waits_for_rank_1(ctx, what):
+    import torch
+    import torch.distributed as dist
+
+    if ctx.rank == 1:
+        end = time.monotonic() + 60
+        if what == "computes":
+            while time.monotonic() < end:  # busy: a slow machine, or a loop that never ends
+                sum(i * i for i in range(10_000))
+        else:
+            time.sleep(60)  # idle: waiting for something that never comes
+    dist.all_reduce(torch.ones(1))
+
+
+@pytest.mark.parametrize("what, says", [("computes", "too slow on this machine: rank 1 was still computing"),
+                                        ("sleeps", "rank 1 hung: its peers waited")])
+def test_a_rank_that_never_answers_is_told_hung_or_too_slow_by_its_cpu_use(what, says):
+    from ddpkit.exercises import run_on_ranks
+
+    started = time.monotonic()
+    result = run_on_ranks("f", _waits_for_rank_1, what, world_size=2, timeout=4.0)
+    assert not result.passed and result.message.startswith(says), result.message
+    assert time.monotonic() - started < 45
+
+
+def test_the_collective_timeout_is_sized_from_the_measured_baseline():
+    from ddpkit.exercises import timing
+
+    saved = timing.baseline()
+    try:
+        timing.set_baseline(None)
+        assert timing.collective_timeout() == timing.FLOOR_S
+        timing.set_baseline(0.01)  # a fast machine: never below the floor
+        assert timing.collective_timeout() == timing.FLOOR_S
+        timing.set_baseline(2.0)  # a machine 10x slower than usual gets 10x longer
+        assert timing.collective_timeout() == pytest.approx(timing.COLLECTIVE_FACTOR * 2.0)
+        seconds = timing.probe()  # measured here, now
+        assert 0 < seconds < 120 and timing.baseline() == seconds
+    finally:
+        timing.set_baseline(saved)

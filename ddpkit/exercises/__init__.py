@@ -2,14 +2,21 @@
 sentence, what is wrong and the evidence, or that it passed.
 
 A check never raises for a wrong answer. It returns a :class:`Result` (``passed``, ``message``), which
-the notebook prints. An untouched stub (it raises ``NotImplementedError``) gets "not implemented yet:
-write <name> between the markers". Code that raises on one rank, or hangs on one rank, gets a sentence
-naming the rank, within the check's time limit: the ranks are real processes under ``ddpkit.launch``
-with a short collective timeout, so nothing waits forever.
+the notebook shows. Called from a notebook cell, a check does not run the learner's objects in the
+kernel: it turns them back into the code of their cells (:mod:`ddpkit.exercises.sources`) and runs that
+in a fresh, bounded sandbox process (:mod:`ddpkit.exercises.sandbox`), the same way ``ddpkit check``
+grades a room. So the kernel's own state (a process group it joined, CUDA it touched, names it
+redefined) changes nothing. Inside the sandbox the checks see what runs (:mod:`ddpkit.exercises.witness`):
+the kit's own answer or PyTorch's feature, reached under any name, is refused.
 
-One module per lesson group: ``data`` (the sampler), ``step`` (the train step), ``collectives`` (a
-ring all-reduce), ``sharding`` (ZeRO-1), ``checkpointing`` (an atomic checkpoint), ``agreement`` (the
-emergency-save decision). :func:`hint` reveals a hint on demand.
+An untouched stub (it raises ``NotImplementedError``) gets "not implemented yet: write <name> between the
+markers". Code that raises on one rank, or hangs on one rank, gets a sentence naming the rank, within a
+limit sized from this machine's measured speed (:mod:`ddpkit.exercises.timing`), which also tells a rank
+that hung (no CPU used) from one that was only too slow here.
+
+One module per lesson group (``data``, ``step``, ``ddp``, ``collectives``, ``sharding``, ``fsdp``,
+``checkpointing``, ...); :mod:`~ddpkit.exercises.catalog` lists every exercise, its checks and what it
+refuses. :func:`hint` reveals a hint on demand.
 """
 
 from __future__ import annotations

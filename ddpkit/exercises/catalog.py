@@ -27,7 +27,7 @@ class Exercise:
     id: str  # the notebook's name without .ipynb
     checks: dict[str, tuple[str, tuple[str, ...]]]  # check name -> (function ref, contract names)
     forbidden: dict[str, str] = field(default_factory=dict)  # ref -> sentence
-    budget_units: float = 40.0  # the check's wall-clock limit, in baselines (see timing.py)
+    budget_units: float = 150.0  # the check's wall-clock limit, in baselines (see timing.py)
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -62,12 +62,12 @@ EXERCISES = [
               "torch.distributed._composable.replicate:replicate": "runs torch's replicate (DDP underneath): build the "
                                                                      "hooks and buckets yourself",
               "ddpkit.parallel.ddp:DDPStrategy": KIT.format(what="DDP strategy", ref="ddpkit.parallel.ddp")},
-             budget_units=150.0),
+             budget_units=400.0),
     Exercise("06_checkpoint", {"checkpoint": ("ddpkit.exercises.checkpointing:check_checkpoint", ("save_fn", "load_fn"))},
              {"ddpkit.files:atomic_write": KIT.format(what="atomic writer", ref="ddpkit.files"),
               "ddpkit.files:write_atomic": KIT.format(what="atomic writer", ref="ddpkit.files"),
               "ddpkit.checkpoint:save": KIT.format(what="checkpoint writer", ref="ddpkit.checkpoint.save")},
-             budget_units=60.0),
+             budget_units=250.0),
     Exercise("07_global_mean_loss",
              {"global_mean_loss": ("ddpkit.exercises.metrics:check_global_mean_loss", ("global_mean_loss",))},
              {"ddpkit.step:global_loss_sum": KIT.format(what="global loss", ref="ddpkit.step.global_loss_sum")}),
@@ -119,7 +119,7 @@ EXERCISES = [
               "ddpkit.step:train_step": KIT.format(what="train step", ref="ddpkit.step.train_step"),
               "ddpkit.step:MicroStep": KIT.format(what="micro-step", ref="ddpkit.step.MicroStep"),
               "ddpkit.files:atomic_write": KIT.format(what="atomic writer", ref="ddpkit.files")},
-             budget_units=150.0),
+             budget_units=500.0),
 ]
 
 BY_ID = {e.id: e for e in EXERCISES}

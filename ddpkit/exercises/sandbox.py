@@ -51,7 +51,7 @@ def run(exercise_id: str, code: str | None = None, *, checks: list[str] | None =
         handle.write(code or "")
     with open(os.path.join(folder, "request.json"), "w") as handle:
         json.dump({"exercise": exercise_id, "checks": wanted, "objects": objects or {},
-                   "sys_path": [p for p in sys.path if p and os.path.isdir(p)], "time_scale": time_scale}, handle)
+                   "sys_path": [os.path.abspath(p) for p in sys.path if p and os.path.isdir(p)], "time_scale": time_scale}, handle)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
                                                             "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")}
     env.update({IN_SANDBOX_ENV: "1", "TMPDIR": folder, "PYTHONDONTWRITEBYTECODE": "1", "OMP_NUM_THREADS": "1",
@@ -80,7 +80,7 @@ def _watch(proc: subprocess.Popen, folder: str, budget_units: float, memory_mb: 
         baseline = None if measured else _read_baseline(folder)
         if baseline is not None:  # from now on: the check's own budget, in this machine's baselines
             measured = True
-            limit = time.monotonic() - started + min(timing.CEILING_S * 4, max(timing.FLOOR_S * 6, budget_units * baseline))
+            limit = time.monotonic() - started + min(timing.CEILING_S * 4, max(timing.FLOOR_S * 12, budget_units * baseline))
         if timing.group_rss_bytes(proc.pid) > memory_mb * 2**20:
             _kill(proc)
             return f"used more than {memory_mb // 1024} GB of memory: look for a tensor or a list that grows without end"

@@ -26,7 +26,9 @@ FLOOR_S = 5.0  # never less than this, on any machine
 CEILING_S = 300.0  # never more than this: a limit must still be a limit
 COLLECTIVE_FACTOR = 25.0  # a peer may be this many baselines late before it is given up on
 BEAT_S = 0.2
-BUSY_FRACTION = 0.2  # CPU seconds per wall second above which a rank counts as computing
+# CPU seconds per wall second above which a rank counts as computing: a sleeping one uses about 0.001,
+# a computing one on a loaded machine may get only a tenth of a core
+BUSY_FRACTION = 0.03
 
 _baseline = {"seconds": None}
 
