@@ -3,6 +3,7 @@
 named within the check's time limit."""
 
 import contextlib
+import dataclasses
 import functools
 import linecache
 import time
@@ -184,7 +185,7 @@ def test_ring_check():
     started = time.monotonic()
     hung = check_ring_all_reduce(hangs_on_rank_1)
     assert not hung.passed and "rank 1" in hung.message and "hung" in hung.message, hung.message
-    assert time.monotonic() - started < 60
+    assert time.monotonic() - started < 240  # the limit is sized from the machine's speed: bounded, not fixed
 
 
 # --------------------------------------------------------------------------- ZeRO-1
@@ -324,23 +325,29 @@ def test_checkpoint_check():
 # --------------------------------------------------------------------------- the smaller ones
 
 
-def test_config_digest_check():
+def salted(config):
     import json
 
+    return str(hash(json.dumps(config, sort_keys=True)))
+
+
+def key_order(config):
+    import hashlib
+    import json
+
+    return hashlib.sha256(json.dumps(config).encode()).hexdigest()
+
+
+def keys_only(config):
+    import hashlib
+
+    return hashlib.sha256(",".join(sorted(config)).encode()).hexdigest()
+
+
+def test_config_digest_check():
     from ddpkit.exercises.config import check_config_digest
 
     assert check_config_digest(load("01_config_digest.ipynb", "config_digest")).passed
-
-    def salted(config):
-        return str(hash(json.dumps(config, sort_keys=True)))
-
-    def key_order(config):
-        import hashlib
-        return hashlib.sha256(json.dumps(config).encode()).hexdigest()
-
-    def keys_only(config):
-        import hashlib
-        return hashlib.sha256(",".join(sorted(config)).encode()).hexdigest()
 
     assert "hash() is salted per process" in check_config_digest(salted).message
     assert "another key order got another digest" in check_config_digest(key_order).message
@@ -402,16 +409,18 @@ def test_f_and_g_check():
     assert "reduce_from_parallel (g) must all-reduce in forward" in check_f_and_g(f_solution, identity).message
 
 
+def gpipe(p, m):
+    return [[("F", i) for i in range(m)] + [("B", i) for i in range(m)] for _ in range(p)]
+
+
+def backward_first(p, m):
+    return [[("B", i) for i in range(m)] + [("F", i) for i in range(m)] for _ in range(p)]
+
+
 def test_one_f_one_b_check():
     from ddpkit.exercises.pipeline import check_one_f_one_b
 
     assert check_one_f_one_b(load("13_one_f_one_b.ipynb", "one_f_one_b")).passed
-
-    def gpipe(p, m):
-        return [[("F", i) for i in range(m)] + [("B", i) for i in range(m)] for _ in range(p)]
-
-    def backward_first(p, m):
-        return [[("B", i) for i in range(m)] + [("F", i) for i in range(m)] for _ in range(p)]
 
     assert "holds at most p - s" in check_one_f_one_b(gpipe).message
     assert "deadlocks" in check_one_f_one_b(backward_first).message
@@ -428,22 +437,25 @@ def test_should_stop_check():
     assert "decided to stop and the others did not" in check_should_stop(decides_alone).message
 
 
-def test_state_bytes_check():
+state_bytes = load("03_state_bytes.ipynb", "state_bytes")
+
+
+def floor_shards(params, strategy, world):
     import math
 
+    return {k: v if v == state_bytes(params, "ddp", world)[k] else v // math.ceil(params / world) * (params // world)
+            for k, v in state_bytes(params, strategy, world).items()}
+
+
+def stage1_shards_gradients(params, strategy, world):
+    out = state_bytes(params, strategy, world)
+    return {**out, "grads": state_bytes(params, "zero2", world)["grads"]} if strategy == "zero1" else out
+
+
+def test_state_bytes_check():
     from ddpkit.exercises.memory import check_state_bytes
 
-    state_bytes = load("03_state_bytes.ipynb", "state_bytes")
     assert check_state_bytes(state_bytes).passed
-
-    def floor_shards(params, strategy, world):
-        return {k: v if v == state_bytes(params, "ddp", world)[k] else v // math.ceil(params / world) * (params // world)
-                for k, v in state_bytes(params, strategy, world).items()}
-
-    def stage1_shards_gradients(params, strategy, world):
-        out = state_bytes(params, strategy, world)
-        return {**out, "grads": state_bytes(params, "zero2", world)["grads"]} if strategy == "zero1" else out
-
     assert "zero1 with 1,000 parameters on 4 ranks: the gradients per rank are wrong" in \
         check_state_bytes(stage1_shards_gradients).message
     assert "1,001 parameters on 4 ranks" in check_state_bytes(floor_shards).message
@@ -674,9 +686,27 @@ def run_without_ddp(ctx, cfg):  # each rank trains alone on its share
         run_solution.__globals__["DDP"] = DistributedDataParallel
 
 
-def test_build_it_live_checks():
-    from dataclasses import dataclass
+class NotADataclass:
+    pass
 
+
+@dataclasses.dataclass
+class ForgetsTheRanks:
+    micro_batch_size: int = 8
+    grad_accum_steps: int = 2
+    world_size: int = 2
+
+    @property
+    def global_batch_size(self):
+        return self.micro_batch_size * self.grad_accum_steps
+
+
+def with_sgd(cfg):
+    model, _ = build_model_and_optimizer(cfg)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def test_build_it_live_checks():
     from ddpkit.exercises.trainer import (
         check_config_class,
         check_model_and_optimizer,
@@ -685,28 +715,9 @@ def test_build_it_live_checks():
 
     assert check_config_class(BuildConfig).passed and check_model_and_optimizer(build_model_and_optimizer).passed
     assert check_trainer(run_solution, steps=6).passed
-
-    class NotADataclass:
-        pass
-
-    @dataclass
-    class Sum:
-        micro_batch_size: int = 8
-        grad_accum_steps: int = 2
-        world_size: int = 2
-
-        @property
-        def global_batch_size(self):
-            return self.micro_batch_size * self.grad_accum_steps  # forgets the ranks
-
     assert "is not a dataclass" in check_config_class(NotADataclass).message
-    assert "gave global_batch_size 16, not 32: it is the product of the three" in check_config_class(Sum).message
-
-    def sgd(cfg):
-        model, _ = build_model_and_optimizer(cfg)
-        return model, torch.optim.SGD(model.parameters(), lr=0.1)
-
-    assert "the optimizer is SGD, not torch.optim.AdamW" in check_model_and_optimizer(sgd).message
+    assert "gave global_batch_size 16: it must count" in check_config_class(ForgetsTheRanks).message
+    assert "the optimizer is SGD, not torch.optim.AdamW" in check_model_and_optimizer(with_sgd).message
     assert "differ from ddpkit train's" in check_trainer(run_without_the_schedule, steps=6).message
     assert "the two ranks end with different parameters" in check_trainer(run_without_ddp, steps=6).message
 
