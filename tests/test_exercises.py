@@ -570,6 +570,11 @@ def test_ddp_from_scratch_checks():
     assert "runs torch's DistributedDataParallel" in check_naive_ddp(TorchInside).message
     assert "waited on while backward ran" in check_overlap_ddp(WaitsAtOnce).message
     assert "fill each bucket to bucket_bytes" in check_bucketed_ddp(IgnoresBucketBytes).message
+
+
+def test_ddp_from_scratch_bucketed_mistakes():
+    from ddpkit.exercises.ddp import check_bucketed_ddp
+
     assert "were launched while backward ran" in check_bucketed_ddp(AllReduceAtTheEnd).message
     assert "start from rank 0's weights" in check_bucketed_ddp(NoBroadcast).message
     assert "waited on while backward ran" in check_bucketed_ddp(BlockingBuckets).message
