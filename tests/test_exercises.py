@@ -30,7 +30,7 @@ def code_between_markers(path: Path) -> str:
 
 def load(notebook: str, *names: str, solved: bool = True):
     namespace = {"__name__": "__main__"}  # as in a notebook cell: ranks get it by fork
-    code, filename = code_between_markers(EXERCISES / ("solutions" if solved else "") / notebook), f"<cell of {notebook}>"
+    code, filename = code_between_markers(EXERCISES / ("solutions" if solved else "") / notebook), f"<cell of {'solutions/' if solved else ''}{notebook}>"
     linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)  # as IPython keeps cells: for getsource
     exec(compile(code, filename, "exec"), namespace)
     found = [namespace[n] for n in names]
