@@ -120,9 +120,10 @@ def test_student_notebooks_are_otters_output_from_the_masters_and_hold_no_soluti
         student = nbformat.read(EXERCISES / master.name, as_version=4)
         text = "\n".join(c.source for c in student.cells)
         assert "BEGIN SOLUTION" not in text and "BEGIN TESTS" not in text and "verdict(" not in text
-        for cell in marked_cells(nbformat.read(master, as_version=4)):
-            solution, prompt = cell.split("# END SOLUTION")
-            stub = {ln.strip() for ln in prompt.splitlines()}
+        cells = marked_cells(nbformat.read(master, as_version=4))
+        stub = {ln.strip() for cell in cells for ln in cell.split("# END SOLUTION")[1].splitlines()}  # every prompt
+        for cell in cells:
+            solution = cell.split("# END SOLUTION")[0]
             lines = [ln.strip() for ln in solution.splitlines()
                      if len(ln.strip()) > 30 and not ln.strip().startswith("#") and ln.strip() not in stub]
             leaked = [ln for ln in lines if ln in text and not ln.startswith(("import ", "from ", "def ", "class "))]
