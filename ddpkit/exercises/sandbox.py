@@ -34,7 +34,7 @@ from ddpkit.exercises import IN_SANDBOX_ENV, Result, timing
 MEMORY_MB = 6144  # the whole sandbox (every rank together), resident
 HEAP_MB = 4096  # each process's heap (RLIMIT_DATA)
 IMPORT_ALLOWANCE_S = 60.0  # starting Python and importing torch, before the baseline is known
-POLL_S = 0.1
+POLL_S = 0.5  # each poll reads /proc for the memory of the whole group: not too often
 
 
 def run(exercise_id: str, code: str | None = None, *, checks: list[str] | None = None,
