@@ -93,9 +93,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fail-rank", type=int, default=d.fail_rank)
     p.add_argument("--fail-mode", choices=FAIL_MODES, default=d.fail_mode)
     p.add_argument("--slow-step-s", type=float, default=d.slow_step_s, help="extra seconds per step (--fail-mode slow)")
-    c = commands.add_parser("check", help="execute exercise notebooks and print one line per exercise")
-    c.add_argument("paths", nargs="+", help="exercise notebooks (.ipynb)")
-    c.add_argument("--timeout", type=float, default=300.0, help="seconds any one cell may run")
+    c = commands.add_parser("check", help="grade a room's exercise notebooks into a learner x exercise table")
+    c.add_argument("paths", nargs="+", help="notebooks (.ipynb) or folders of them (one per learner, or flat)")
+    c.add_argument("--jobs", type=int, default=1, help="notebooks graded at once")
+    c.add_argument("--out", default="grades", help="folder for grades.csv, grades.md and each results.json")
+    c.add_argument("--time-scale", type=float, default=1.0,
+                   help="multiply every time limit (they are sized from this machine's measured speed)")
+    e = commands.add_parser("exercises", help="the student bundle, a reset to the stub, the generated notebooks")
+    actions = e.add_subparsers(dest="action", required=True, parser_class=_Parser)
+    actions.add_parser("export", help="write the student notebooks (no solutions) into a new folder").add_argument("folder")
+    r = actions.add_parser("reset", help="put an exercise's stub back in a notebook, keeping the other cells")
+    r.add_argument("notebook")
+    r.add_argument("--exercise", default=None, help="the exercise id, when the file name does not say")
+    b = actions.add_parser("build", help="make exercises/*.ipynb from the masters with otter assign")
+    b.add_argument("--check", action="store_true", help="only compare; exit 1 if a student notebook is stale")
     return parser
 
 
@@ -187,10 +198,10 @@ def check_before_launch(cfg: TrainConfig, attempt: int = 0) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command == "check":  # an instructor's view of a room's notebooks
-        from ddpkit.exercises.grading import main as check_notebooks
+    if args.command in ("check", "exercises"):  # an instructor's tools for a room
+        from ddpkit.exercises.commands import run_command
 
-        return check_notebooks(args.paths, args.timeout)
+        return run_command(args)
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) if runtime.under_torchrun() else 0
     try:
         cfg = config_from_args(args)

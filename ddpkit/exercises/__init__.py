@@ -2,22 +2,33 @@
 sentence, what is wrong and the evidence, or that it passed.
 
 A check never raises for a wrong answer. It returns a :class:`Result` (``passed``, ``message``), which
-the notebook prints. An untouched stub (it raises ``NotImplementedError``) gets "not implemented yet:
-write <name> between the markers". Code that raises on one rank, or hangs on one rank, gets a sentence
-naming the rank, within the check's time limit: the ranks are real processes under ``ddpkit.launch``
-with a short collective timeout, so nothing waits forever.
+the notebook shows. Called from a notebook cell, a check does not run the learner's objects in the
+kernel: it turns them back into the code of their cells (:mod:`ddpkit.exercises.sources`) and runs that
+in a fresh, bounded sandbox process (:mod:`ddpkit.exercises.sandbox`), the same way ``ddpkit check``
+grades a room. So the kernel's own state (a process group it joined, CUDA it touched, names it
+redefined) changes nothing. Inside the sandbox the checks see what runs (:mod:`ddpkit.exercises.witness`):
+the kit's own answer or PyTorch's feature, reached under any name, is refused.
 
-One module per lesson group: ``data`` (the sampler), ``step`` (the train step), ``collectives`` (a
-ring all-reduce), ``sharding`` (ZeRO-1), ``checkpointing`` (an atomic checkpoint), ``agreement`` (the
-emergency-save decision). :func:`hint` reveals a hint on demand.
+An untouched stub (it raises ``NotImplementedError``) gets "not implemented yet: write <name> between the
+markers". Code that raises on one rank, or hangs on one rank, gets a sentence naming the rank, within a
+limit sized from this machine's measured speed (:mod:`ddpkit.exercises.timing`), which also tells a rank
+that hung (no CPU used) from one that was only too slow here.
+
+One module per lesson group (``data``, ``step``, ``ddp``, ``collectives``, ``sharding``, ``fsdp``,
+``checkpointing``, ...); :mod:`~ddpkit.exercises.catalog` lists every exercise, its checks and what it
+refuses. :func:`hint` reveals a hint on demand.
 """
 
 from __future__ import annotations
 
+import functools
+import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
-CHECK_TIMEOUT_S = 5.0  # collective timeout inside a check: a hung learner rank is reported in seconds
+from ddpkit.exercises import timing
+
+IN_SANDBOX_ENV = "DDPKIT_EXERCISE_SANDBOX"  # set inside the grader's sandbox process
 
 
 @dataclass(frozen=True)
@@ -44,16 +55,21 @@ def not_implemented(name: str) -> Result:
     return Result(False, f"not implemented yet: write {name} between the markers")
 
 
-def run_on_ranks(name: str, worker: Callable[..., Any], *args: Any, world_size: int, timeout: float = CHECK_TIMEOUT_S,
+def run_on_ranks(name: str, worker: Callable[..., Any], *args: Any, world_size: int, timeout: float | None = None,
                  kwargs: dict | None = None) -> list[Any] | Result:
     """``ddpkit.launch(worker, *args)`` on ``world_size`` ranks; a failure becomes a :class:`Result` that
-    names the rank and what it raised (or that it hung), and a ``NotImplementedError`` the stub sentence."""
+    names the rank and what it raised, or whether it hung or was only too slow for this machine (see
+    :mod:`ddpkit.exercises.timing`), and a ``NotImplementedError`` the stub sentence."""
+    import tempfile
+
     from ddpkit.failures import LaunchError
     from ddpkit.launch import launch
 
+    timeout = timing.collective_timeout() if timeout is None else timeout
+    beats = tempfile.mkdtemp(prefix="ddpkit-beats-")
     try:
-        return launch(worker, *args, world_size=world_size, backend="gloo", timeout=timeout, output="none",
-                      progress="off", kwargs=kwargs)
+        return launch(_beating, beats, worker, *args, world_size=world_size, backend="gloo", timeout=timeout,
+                      output="none", progress="off", kwargs=kwargs)
     except LaunchError as exc:
         cause = exc.root_cause
         text = (cause.message.strip().splitlines() or [cause.kind])[0]
@@ -61,13 +77,54 @@ def run_on_ranks(name: str, worker: Callable[..., Any], *args: Any, world_size: 
             return not_implemented(name)
         if cause.exc_type == "Wrong":
             return Result(False, text)
+        if cause.exc_type == "Refused":
+            return Result(False, text)
         if cause.kind == "stalled" or "timed out" in text.lower():
             # the rank that hung is the one still running when its peers timed out waiting for it
             hung = [f.rank for f in (cause, *exc.others) if f.kind in ("stalled", "stopped")]
             rank = hung[0] if hung else cause.rank
-            return Result(False, f"rank {rank} hung: its peers waited more than {timeout:g} s for a message or a collective "
-                                 f"that it never sent or joined")
-        return Result(False, f"rank {cause.rank} raised {cause.exc_type}: {text[:200]}")
+            if timing.was_busy(beats, rank):
+                return Result(False, f"too slow on this machine: rank {rank} was still computing after {timeout:.0f} s "
+                                     f"(a limit set from this machine's speed now); retry when it is less busy, or look "
+                                     f"for a loop that never ends")
+            return Result(False, f"rank {rank} hung: its peers waited {timeout:.0f} s while it used no CPU, for a message "
+                                 f"or a collective that it never sent or joined")
+        return Result(False, f"rank {cause.rank} raised {cause.exc_type}: {_short(text)}")
+    finally:
+        import shutil
+
+        shutil.rmtree(beats, ignore_errors=True)
+
+
+def _beating(ctx, beats: str, worker: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    timing.start_heartbeat(beats, ctx.rank)
+    return worker(ctx, *args, **kwargs)
+
+
+def _short(text: str, limit: int = 120) -> str:
+    """The first sentence of an error, cut to ``limit`` characters (torch's messages run to hundreds)."""
+    text = text.strip().split("\n")[0]
+    return text if len(text) <= limit else text[:limit - 3].rstrip() + "..."
+
+
+def in_sandbox() -> bool:
+    return os.environ.get(IN_SANDBOX_ENV) == "1"
+
+
+def graded(exercise: str, check: str):
+    """Make a check callable from a notebook: outside the sandbox, the learner's objects are turned back
+    into their code and the check runs in a fresh sandbox process (:mod:`ddpkit.exercises.sandbox`);
+    inside it, the check itself runs. ``__wrapped__`` is the check."""
+    def decorate(fn):
+        @functools.wraps(fn)
+        def wrapper(*objects: Any, **kwargs: Any) -> Result:
+            if in_sandbox() or kwargs:
+                return fn(*objects, **kwargs)
+            from ddpkit.exercises.sandbox import check_objects
+
+            return check_objects(exercise, check, objects)
+        return wrapper
+    return decorate
 
 
 from ddpkit.exercises.hints import HINTS  # noqa: E402 - data, kept in its own file

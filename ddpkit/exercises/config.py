@@ -16,7 +16,7 @@ import subprocess
 import sys
 import textwrap
 
-from ddpkit.exercises import Result, not_implemented
+from ddpkit.exercises import Result, graded, not_implemented
 
 CONFIG = {"model": "gpt", "lr": 0.001, "micro_batch_size": 8, "grad_accum": 2, "seed": 17, "layers": [2, 4]}
 
@@ -31,28 +31,29 @@ def _in_fresh_process(fn, config: dict) -> str:
     return proc.stdout.strip().splitlines()[-1]
 
 
+@graded("01_config_digest", "config_digest")
 def check_config_digest(fn) -> Result:
     try:
         here = fn(dict(CONFIG))
     except NotImplementedError:
         return not_implemented(getattr(fn, "__name__", "config_digest"))
     except Exception as exc:  # noqa: BLE001
-        return Result(False, f"config_digest raised {type(exc).__name__}: {exc}")
+        return Result(False, f"config_digest raised {type(exc).__name__}: {str(exc)[:100]}")
     if not isinstance(here, str) or not here:
         return Result(False, f"config_digest returned {here!r}: return a string (a hex digest)")
     reordered = dict(reversed(list(CONFIG.items())))
     if fn(reordered) != here:
-        return Result(False, "the same items in another key order got another digest: serialise with sorted keys "
-                             "(json.dumps(config, sort_keys=True))")
+        return Result(False, "the same items in another key order got another digest: what is hashed must not "
+                             "depend on the order of the keys")
     for key, value in (("lr", 0.002), ("seed", 18), ("layers", [2, 5])):
         if fn({**CONFIG, key: value}) == here:
             return Result(False, f"changing {key} from {CONFIG[key]!r} to {value!r} did not change the digest: hash every value")
     try:
         there = _in_fresh_process(fn, CONFIG)
     except Exception as exc:  # noqa: BLE001
-        return Result(False, f"config_digest could not run in a fresh process ({exc}): keep it self-contained "
+        return Result(False, f"config_digest could not run in a fresh process ({str(exc)[:80]}): keep it self-contained "
                              f"(hashlib and json are imported there)")
     if there != here:
-        return Result(False, f"another process computed {there[:16]}... for the same config, this one {here[:16]}...: "
-                             f"hash() is salted per process (PYTHONHASHSEED); use hashlib.sha256 over a canonical serialisation")
+        return Result(False, "another process computed another digest for the same config: hash() is salted per "
+                             "process (PYTHONHASHSEED), a digest must be the same everywhere")
     return Result(True, "the same digest in two processes, insensitive to key order, and different for any changed value")

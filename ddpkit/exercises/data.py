@@ -14,16 +14,16 @@ resume, and the same global stream on another world size.
 
 from __future__ import annotations
 
-from ddpkit.exercises import Result, Wrong, run_on_ranks
+from ddpkit.exercises import Result, Wrong, graded, run_on_ranks
 
 N, G, SEED, EPOCHS = 100, 12, 7, 3  # 100 samples, global batch 12: epochs of 96, 4 left out
 
 
-def _epochs(cls, world_size: int, rank: int) -> list[list[int]]:
+def _epochs(cls, world_size: int, rank: int, seed: int = SEED) -> list[list[int]]:
     """This rank's indices for each epoch, asked the way a training loop asks: position, then iterate."""
     out = []
     for epoch in range(EPOCHS):
-        sampler = cls(N, world_size, rank, G, SEED)
+        sampler = cls(N, world_size, rank, G, seed)
         sampler.set_consumed(epoch * (N // G) * G)
         indices = [int(i) for i in iter(sampler)]
         if len(sampler) != len(indices):
@@ -36,7 +36,7 @@ def _on_rank(ctx, cls, world_size: int, start: int) -> dict:
     resumed = cls(N, world_size, ctx.rank, G, SEED)
     resumed.set_consumed(start)
     return {"stream": _epochs(cls, world_size, ctx.rank), "again": _epochs(cls, world_size, ctx.rank),
-            "resumed": [int(i) for i in iter(resumed)]}
+            "other_seed": _epochs(cls, world_size, ctx.rank, SEED + 1), "resumed": [int(i) for i in iter(resumed)]}
 
 
 def _global_batches(per_rank: list[list[int]]) -> list[set[int]]:
@@ -65,17 +65,21 @@ def _check_world(runs: list[dict], world: int) -> list[list[set[int]]]:
             raise Wrong(f"epoch {epoch} covered {len(seen)} samples on {world} ranks, not {per_epoch} = floor({N}/{G}) x {G}")
         batches.append(_global_batches([run["stream"][epoch] for run in runs]))
     if any(run["again"] != run["stream"] for run in runs):
-        raise Wrong("a second sampler with the same seed gave another order: shuffle with a generator seeded from (seed, epoch)")
+        raise Wrong("a second sampler with the same seed gave another order: the shuffle must not use the process's "
+                    "global random state")
+    if all(run["other_seed"][0] == run["stream"][0] for run in runs):
+        raise Wrong("another seed gave the same order: the shuffle must depend on the seed it is given")
     if all(batches[e] == batches[0] for e in range(1, EPOCHS)):
-        raise Wrong("every epoch has the same global batches: reshuffle each epoch (seed the shuffle with seed + epoch)")
+        raise Wrong("every epoch has the same global batches: each epoch needs its own order")
     return batches
 
 
+@graded("02_sampler", "sampler")
 def check_sampler(cls) -> Result:
     """Check a ``ResumableDistributedSampler``-like class on 2 and 3 ranks (see the module docstring)."""
     start = G * 3  # resume after 3 global batches of epoch 0
     streams = {}
-    for world in (2, 3):
+    for world in (2, 3, 4):
         if G % world:
             continue
         runs = run_on_ranks(getattr(cls, "__name__", "the sampler"), _on_rank, cls, world, start, world_size=world)
@@ -89,8 +93,8 @@ def check_sampler(cls) -> Result:
                             f"the uninterrupted run's: iterate from the position set by set_consumed")
         except Wrong as exc:
             return Result(False, str(exc))
-    if streams[3] != streams[2]:
-        return Result(False, "3 ranks see other global batches than 2 ranks for the same seed: shuffle the whole dataset the same "
-                             "way on every world size, then give each rank its part of each global batch")
-    return Result(True, f"complete and disjoint epochs, reshuffled, deterministic, resumable mid-epoch, and the same global "
-                        f"stream on 2 and 3 ranks ({EPOCHS} epochs of {(N // G) * G} samples)")
+    if streams[3] != streams[2] or streams[4] != streams[2]:
+        return Result(False, "3 or 4 ranks see other global batches than 2 ranks for the same seed: the order must not "
+                             "depend on the number of ranks, only each rank's part of it")
+    return Result(True, f"complete, disjoint and reshuffled epochs, resumable mid-epoch, the same global "
+                        f"stream on 2, 3 and 4 ranks, another order for another seed ({EPOCHS} epochs of {(N // G) * G} samples)")

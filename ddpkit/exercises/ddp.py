@@ -1,14 +1,26 @@
-"""Check for the exercise on DDP from scratch: broadcast at construction, gradient hooks, buckets that
-all-reduce while backward is still running.
+"""Checks for the exercise on DDP from scratch, in three stages (as Stanford CS336's assignment 2 stages it):
 
-The contract: ``cls(module, bucket_bytes)`` wraps ``module``: at construction every rank takes rank 0's
-parameters; ``forward`` is the module's; during ``backward`` gradients are gathered into buckets of about
-``bucket_bytes``, each bucket's all-reduce launched (``async_op=True``) as soon as its last gradient is
-ready; ``finish()``, called after ``backward`` and before the optimizer step, waits for them and leaves
-every gradient averaged over the ranks. The check trains 3 SGD steps on 2 real ranks (each rank
-initialised differently, each on its own samples) next to ``torch.nn.parallel.DistributedDataParallel``
-on the same samples: the parameters must match, and at least one all-reduce must have been launched
-before ``backward`` returned (the overlap that makes DDP fast), with more than one bucket.
+1. ``NaiveDDP(module)``: broadcast rank 0's parameters at construction; ``finish()``, called after
+   ``backward``, all-reduces every gradient and averages it (one all-reduce per parameter);
+2. ``OverlapDDP(module)``: the same, but each parameter's all-reduce is launched (``async_op=True``) from a
+   hook as soon as its gradient is ready, while backward goes on; ``finish()`` waits for them;
+3. ``BucketedDDP(module, bucket_bytes)``: gradients gathered into buckets of about ``bucket_bytes``, one
+   all-reduce per bucket, launched as soon as the bucket's last gradient is ready.
+
+What every stage's check measures, on 2, 3 and 4 real ranks, for 3 SGD steps from a different
+initialisation on each rank, each rank on its own samples, for a model with a frozen parameter (it has no
+gradient) and a weight shared by two layers (one parameter, one gradient): the parameters must equal, on
+every rank, those of one process that averages the ranks' gradients itself (atol 1e-6; a sum, a division
+by a hard-coded 2, a missing broadcast all show). Every c10d operation is recorded at the dispatcher
+(:class:`ddpkit.exercises.witness.Collectives`) with its bytes, launch and completion times, and every
+``wait()`` on a collective's work while backward runs is recorded too. Stage 2 and 3 must launch their
+all-reduces while backward runs, never wait for one inside backward, and in at least one of the 27 rank
+steps have an all-reduce **complete** before backward ends (one observation proves the overlap; on a busy
+machine four ranks on two cores may not show it every time) (communication really overlapped computation: the model's
+batch is large enough that each layer's backward takes longer than a small all-reduce). Stage 2 issues one all-reduce per
+trainable parameter; stage 3's all-reduces carry, in launch order, the buckets that ``bucket_bytes``
+makes (:func:`bucket_plans`: either usual rule, either order), tried with two bucket sizes. Torch's
+``DistributedDataParallel`` (and ``replicate``) are refused when they run on the learner's behalf.
 """
 
 from __future__ import annotations
@@ -18,78 +30,224 @@ import time
 import torch
 import torch.nn as nn
 
-from ddpkit.exercises import Result, Wrong, run_on_ranks
+from ddpkit.exercises import Result, Wrong, graded, run_on_ranks
 
-STEPS, LR = 3, 0.1
+STEPS, LR, BATCH, WIDTH = 3, 0.1, 512, 64
 
 
 def _model(seed: int) -> nn.Module:
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 4))
+    layers = []
+    for _ in range(5):
+        layers += [nn.Linear(WIDTH, WIDTH), nn.Tanh()]
+    model = nn.Sequential(*layers, nn.Linear(WIDTH, 4))
+    model[6].weight = model[4].weight  # tied: one parameter used by two layers
+    model[2].bias.requires_grad_(False)  # frozen: no gradient, never all-reduced
+    return model
 
 
 def _batch(step: int, rank: int):
-    gen = torch.Generator().manual_seed(10 * step + rank)
-    return torch.randn(8, 32, generator=gen), torch.randint(0, 4, (8,), generator=gen)
+    gen = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randn(BATCH, WIDTH, generator=gen), torch.randint(0, 4, (BATCH,), generator=gen)
 
 
-def _on_rank(ctx, cls) -> dict:
-    import torch.distributed as dist
-    import torch.distributed.distributed_c10d as c10d
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    reference = DDP(_model(100))  # torch's, from the weights rank 0 starts with (DDP broadcasts them too)
-    reference_opt = torch.optim.SGD(reference.parameters(), lr=LR)
-    model = _model(100 + ctx.rank)  # each rank initialised differently: the wrapper must broadcast
-    size = sum(p.numel() * p.element_size() for p in model.parameters())
-    wrapped = cls(model, bucket_bytes=size // 4)
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    launches, original = [], c10d.all_reduce
-
-    def recorded(*args, **kwargs):
-        launches.append((time.perf_counter(), bool(kwargs.get("async_op", len(args) > 3 and args[3]))))
-        return original(*args, **kwargs)
-
-    overlapped = []
+def _reference(world: int) -> list[torch.Tensor]:
+    """One process: rank 0's initial weights, each step the mean of every rank's gradient, SGD."""
+    model = _model(100)
+    trainable = [p for p in model.parameters() if p.requires_grad]
     for step in range(STEPS):
-        x, y = _batch(step, ctx.rank)
-        nn.functional.cross_entropy(reference(x), y).backward()
-        reference_opt.step()
-        reference_opt.zero_grad()
-        launches.clear()
-        c10d.all_reduce = dist.all_reduce = recorded
-        try:
-            nn.functional.cross_entropy(wrapped(x), y).backward()
-            backward_done = time.perf_counter()
-            wrapped.finish()
-        finally:
-            c10d.all_reduce = dist.all_reduce = original
-        if not launches:
-            raise Wrong("no all-reduce ran in a step: launch one per bucket from the gradient hooks")
-        overlapped.append({"calls": len(launches), "before_backward_end": sum(t < backward_done for t, _ in launches),
-                           "async": all(a for _, a in launches)})
-        optimizer.step()
-        optimizer.zero_grad()
-    diff = max(float((p - q).abs().max()) for p, q in zip(model.parameters(), reference.module.parameters()))
-    return {"diff": diff, "overlap": overlapped}
+        total = [torch.zeros_like(p) for p in trainable]
+        for rank in range(world):
+            x, y = _batch(step, rank)
+            model.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            for t, p in zip(total, trainable):
+                t += p.grad
+        with torch.no_grad():
+            for t, p in zip(total, trainable):
+                p -= LR * t / world
+    return [p.detach().clone() for p in model.parameters()]
 
 
-def check_ddp(cls) -> Result:
-    runs = run_on_ranks(getattr(cls, "__name__", "the DDP wrapper"), _on_rank, cls, world_size=2)
-    if isinstance(runs, Result):
-        return runs
-    for rank, run in enumerate(runs):
-        if run["diff"] > 1e-6:
-            return Result(False, f"after {STEPS} steps rank {rank}'s parameters differ from torch DDP's by {run['diff']:.2e}: "
-                                 f"broadcast rank 0's parameters at construction, and average (not sum) the gradients")
-    first = runs[0]["overlap"][-1]
-    if first["calls"] < 2:
-        return Result(False, f"{first['calls']} all-reduce per step with buckets of a quarter of the model: fill several "
-                             f"buckets, in the order gradients arrive (the last layer's first)")
-    if not first["async"]:
-        return Result(False, "an all-reduce was called without async_op=True: a blocking one stops backward until it is done")
-    if first["before_backward_end"] == 0:
-        return Result(False, f"all {first['calls']} all-reduces were launched after backward finished: launch each bucket's "
-                             f"all-reduce from a gradient hook as soon as its last gradient is ready")
-    return Result(True, f"torch DDP's parameters after {STEPS} steps from different initial weights, {first['calls']} buckets, "
-                        f"{first['before_backward_end']} all-reduce(s) launched while backward was still running")
+class _Waits:
+    """Records ``Work.wait()`` calls made while backward runs (class-level, so every alias is seen)."""
+
+    def __init__(self) -> None:
+        from torch.distributed.distributed_c10d import Work
+
+        self.work, self.original, self.in_backward, self.during_backward = Work, Work.wait, False, 0
+        waits = self
+
+        def wait(work, *args, **kwargs):
+            if waits.in_backward:
+                waits.during_backward += 1
+            return waits.original(work, *args, **kwargs)
+
+        Work.wait = wait
+
+    def close(self) -> None:
+        self.work.wait = self.original
+
+
+def _on_rank(ctx, cls, bucket_bytes: int | None) -> dict:
+    from ddpkit.exercises.witness import Collectives
+
+    model = _model(100 + ctx.rank)  # each rank initialised differently: the wrapper must broadcast
+    wrapped = cls(model) if bucket_bytes is None else cls(model, bucket_bytes)
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
+    steps = []
+    waits = _Waits()
+    try:
+        for step in range(STEPS):
+            x, y = _batch(step, ctx.rank)
+            with Collectives() as seen:
+                loss = nn.functional.cross_entropy(wrapped(x), y)
+                waits.in_backward, waits.during_backward = True, 0
+                started = time.perf_counter()
+                loss.backward()
+                ended = time.perf_counter()
+                waits.in_backward = False
+                wrapped.finish()
+            reduces = [op for op in seen.ops if op["op"] == "allreduce"]
+            steps.append({"reduces": len(reduces), "bytes": [op["bytes"] for op in reduces],
+                          "launched_in_backward": sum(started <= op["launched"] <= ended for op in reduces),
+                          "done_in_backward": sum(op["done"] is not None and op["done"] <= ended for op in reduces),
+                          "waits_in_backward": waits.during_backward})
+            optimizer.step()
+            optimizer.zero_grad()
+    finally:
+        waits.close()
+    params = [p.detach().clone() for p in model.parameters()]
+    return {"params": params, "steps": steps}
+
+
+def _shape() -> dict:
+    model = _model(0)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return {"trainable": len(trainable), "bytes": [p.numel() * p.element_size() for p in trainable]}
+
+
+def _correct(name: str, cls, bucket_bytes: int | None = None) -> tuple[list, Result | None]:
+    """Run the stage on 2, 3 and 4 ranks; the runs, or the sentence for the first wrong thing seen."""
+    runs_by_world = []
+    for world in (2, 3, 4):
+        runs = run_on_ranks(name, _on_rank, cls, bucket_bytes, world_size=world)
+        if isinstance(runs, Result):
+            return [], runs
+        expected = _reference(world)
+        for rank, run in enumerate(runs[1:], 1):
+            if any(float((a - b).abs().max()) > 1e-6 for a, b in zip(run["params"], runs[0]["params"])):
+                return [], Result(False, f"on {world} ranks, rank {rank} ends with other parameters than rank 0: do "
+                                         f"all replicas start from rank 0's weights and step on the same gradient?")
+        for rank, run in enumerate(runs):
+            diff = max(float((a - b).abs().max()) for a, b in zip(run["params"], expected))
+            if diff > 1e-6:
+                if world > 2 and _ratio_hint(runs[0]["params"], expected):
+                    return [], Result(False, f"on {world} ranks the parameters move by the wrong amount: is the gradient "
+                                             f"divided by the number of ranks, whatever it is?")
+                return [], Result(False, f"on {world} ranks, after {STEPS} steps the parameters differ from averaging "
+                                         f"the ranks' gradients by {diff:.1e}: is every gradient (the shared weight's "
+                                         f"too) averaged once?")
+        runs_by_world.append((world, runs))
+    return runs_by_world, None
+
+
+def _ratio_hint(got: list[torch.Tensor], want: list[torch.Tensor]) -> bool:
+    start = _model(100)
+    moved = torch.cat([(g - s.detach()).flatten() for g, s in zip(got, start.parameters())])
+    wanted = torch.cat([(w - s.detach()).flatten() for w, s in zip(want, start.parameters())])
+    return float(wanted.norm()) > 0 and abs(float(moved.norm() / wanted.norm()) - 1) > 0.05
+
+
+def _overlap(runs_by_world: list, expected_reduces: int | None) -> Result | None:
+    for world, runs in runs_by_world:
+        for rank, run in enumerate(runs):
+            for k, step in enumerate(run["steps"]):
+                if step["waits_in_backward"]:
+                    return Result(False, f"on {world} ranks a collective's work was waited on while backward ran: "
+                                         f"backward stalls until it completes, so nothing overlaps; wait in finish()")
+                if step["reduces"] and step["launched_in_backward"] < step["reduces"] - 1:
+                    return Result(False, f"on {world} ranks only {step['launched_in_backward']} of {step['reduces']} "
+                                         f"all-reduces were launched while backward ran: launch each from the hook that "
+                                         f"sees its gradient ready")
+    if not any(step["done_in_backward"] for _, runs in runs_by_world for run in runs for step in run["steps"]):
+        return Result(False, "no all-reduce completed before backward ended, in any step on 2, 3 or 4 ranks: the "
+                             "communication did not overlap the computation")
+    return None
+
+
+@graded("05_ddp_from_scratch", "naive")
+def check_naive_ddp(cls) -> Result:
+    runs_by_world, wrong = _correct(getattr(cls, "__name__", "NaiveDDP"), cls)
+    if wrong:
+        return wrong
+    return Result(True, f"the averaged gradients' parameters after {STEPS} steps on 2, 3 and 4 ranks, from different "
+                        f"initial weights, with a frozen and a shared parameter")
+
+
+@graded("05_ddp_from_scratch", "overlap")
+def check_overlap_ddp(cls) -> Result:
+    runs_by_world, wrong = _correct(getattr(cls, "__name__", "OverlapDDP"), cls)
+    if wrong:
+        return wrong
+    trainable = _shape()["trainable"]
+    for world, runs in runs_by_world:
+        counts = {step["reduces"] for run in runs for step in run["steps"]}
+        if counts != {trainable}:
+            return Result(False, f"on {world} ranks a step ran {sorted(counts)[0]} all-reduces for {trainable} parameters "
+                                 f"with gradients: one per parameter (the frozen one has none, the shared one is one)")
+    late = _overlap(runs_by_world, trainable)
+    if late:
+        return late
+    return Result(True, f"the averaged gradients' parameters on 2, 3 and 4 ranks; one all-reduce per parameter, launched "
+                        f"while backward ran, some completed before it ended")
+
+
+def bucket_plans(sizes: list[int], bucket_bytes: int) -> set[tuple[int, ...]]:
+    """The bucket sizes a correct wrapper may send, in launch order: parameters taken last to first (the
+    order backward produces them) or first to last, each bucket closed either once it holds at least
+    ``bucket_bytes`` or just before the next parameter would take it past ``bucket_bytes``."""
+    plans = set()
+    for order in (sizes[::-1], sizes):
+        at_least, at_most, current, filled = [], [], 0, 0
+        for size in order:
+            current += size
+            if current >= bucket_bytes:
+                at_least.append(current)
+                current = 0
+            if filled and filled + size > bucket_bytes:
+                at_most.append(filled)
+                filled = 0
+            filled += size
+        at_least += [current] if current else []
+        at_most += [filled] if filled else []
+        plans |= {tuple(at_least), tuple(at_most)}
+    return plans
+
+
+@graded("05_ddp_from_scratch", "buckets")
+def check_bucketed_ddp(cls) -> Result:
+    shape = _shape()
+    total = sum(shape["bytes"])
+    for bucket_bytes in (20_000, 40_000):  # buckets of about one weight, and of about two
+        runs_by_world, wrong = _correct(getattr(cls, "__name__", "BucketedDDP"), cls, bucket_bytes)
+        if wrong:
+            return wrong
+        plans = bucket_plans(shape["bytes"], bucket_bytes)
+        for world, runs in runs_by_world:
+            sizes = tuple(runs[0]["steps"][-1]["bytes"])
+            if sum(sizes) != total:
+                return Result(False, f"with buckets of {bucket_bytes:,} bytes the all-reduces carried {sum(sizes):,} of "
+                                     f"the {total:,} gradient bytes: is every trainable parameter in one bucket, once?")
+            if sizes not in plans:
+                return Result(False, f"with bucket_bytes={bucket_bytes:,} the {len(sizes)} all-reduces carried "
+                                     f"{min(sizes):,} to {max(sizes):,} bytes each: fill each bucket to bucket_bytes, "
+                                     f"in the order the gradients arrive")
+        late = _overlap(runs_by_world, None)
+        if late:
+            return late
+    return Result(True, "the averaged gradients' parameters on 2, 3 and 4 ranks; buckets of bucket_bytes (two sizes "
+                        "tried), launched while backward ran, some completed before it ended")
+
+
+check_ddp = check_bucketed_ddp  # the name the single-stage version had

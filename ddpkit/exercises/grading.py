@@ -1,62 +1,149 @@
-"""``ddpkit check PATH...``: execute exercise notebooks and print one line per exercise.
+"""``ddpkit check PATH...``: grade a room's notebooks into a learner x exercise table.
 
-For an instructor at the end of a workshop: every learner's notebook is executed from top to bottom in a
-fresh kernel (nbclient, the engine papermill and nbval use), and each check's result is printed on one
-line, prefixed with the notebook's name. A notebook that fails before its check gets the error's first
-line instead. The exit code is 0 when every check passed.
+For each notebook, only the learner's code is taken (the cells between ``### begin`` and ``### end``, or
+the cells defining the contract's names); nothing the notebook printed, and no cell outside them,
+counts. The code is graded by the exercise's otter autograder (built from its master with ``otter
+assign``), whose hidden tests run every check in a fresh sandbox process on real ranks, bounded in
+time (from this machine's measured speed) and memory (:mod:`ddpkit.exercises.sandbox`). ``--jobs N``
+grades N notebooks at once.
+
+It prints the table (points per exercise, a total per learner), writes it as ``grades.csv`` and
+``grades.md`` in ``--out``, and one ``results.json`` per learner (otter's results for each exercise,
+with each check's sentence). A notebook that is the published solution unchanged scores 0 and is
+marked. The exit code is 0 when every notebook got every point.
 """
 
 from __future__ import annotations
 
+import csv
+import io
+import json
 import os
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-RESULT_PREFIXES = ("PASSED: ", "NOT YET: ")
+from ddpkit.exercises import autograde, catalog
+from ddpkit.exercises.submissions import Submission, collect, is_published_solution
 
 
-def check_notebook(path: str | os.PathLike, timeout: float = 300.0) -> list[str]:
-    """The check lines of one executed notebook (or one line naming the error that stopped it)."""
+def grade_one(sub: Submission, cache: str | None = None) -> dict:
+    """One notebook's grade: score, possible, notes, and each check's outcome and sentence."""
     import nbformat
-    from nbclient import NotebookClient
-    from nbclient.exceptions import CellExecutionError, CellTimeoutError
 
-    path = Path(path)
-    nb = nbformat.read(path, as_version=4)
-    client = NotebookClient(nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}})
+    from ddpkit.exercises.sources import learner_code
+
+    if sub.exercise is None:
+        return {"score": 0, "possible": 0, "note": "not an exercise notebook (no exercise id in its name or metadata)",
+                "checks": []}
+    ex = catalog.exercise(sub.exercise)
     try:
-        client.execute()
-        stopped = None
-    except (CellExecutionError, CellTimeoutError) as exc:
-        lines = [ln for ln in str(exc).strip().splitlines() if ln.strip()]
-        stopped = f"ERROR: a cell failed: {lines[-1][:200] if lines else type(exc).__name__}"
-    found = []
-    for cell in nb.cells:
-        for output in cell.get("outputs", []):
-            text = "".join(output.get("data", {}).get("text/plain", "")) or "".join(output.get("text", ""))
-            found += [line for line in text.splitlines() if line.startswith(RESULT_PREFIXES)]
-    if stopped:
-        found.append(stopped)
-    return found or ["ERROR: no check ran (is the check cell still in the notebook?)"]
+        nb = nbformat.read(sub.path, as_version=4)
+    except Exception as exc:  # noqa: BLE001
+        return {"score": 0, "possible": None, "note": f"unreadable notebook ({type(exc).__name__})", "checks": []}
+    code = learner_code(nb, ex.names)
+    built = autograde.build(sub.exercise, cache)
+    graded = autograde.grade(sub.exercise, code, built)
+    if is_published_solution(sub.exercise, code):
+        graded["note"] = "the published solution, unchanged: no points"
+        graded["score"] = 0
+        for check in graded["checks"]:
+            check["points"] = 0
+    return graded
 
 
-def main(paths: list[str], timeout: float = 300.0) -> int:
-    """Print ``PATH  RESULT`` for every check of every notebook; 0 when all passed (2: cannot run notebooks here)."""
-    try:
-        import nbclient  # noqa: F401
-        import nbformat  # noqa: F401
-    except ImportError:
-        print("ddpkit: error: ddpkit check executes notebooks and needs nbclient and nbformat: "
-              "pip install 'ddpkit[notebook]'", file=sys.stderr)
-        return 2
-    all_passed = True
-    width = max((len(p) for p in paths), default=0)
-    for path in paths:
-        if not Path(path).is_file():
-            print(f"{path:<{width}}  ERROR: no such notebook", flush=True)
-            all_passed = False
+def grade_all(paths: list[str], jobs: int = 1, cache: str | None = None) -> list[tuple[Submission, dict]]:
+    subs = collect(paths)
+    for ex_id in sorted({s.exercise for s in subs if s.exercise}):
+        autograde.build(ex_id, cache)  # once, before the jobs start
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        grades = list(pool.map(lambda s: grade_one(s, cache), subs))
+    return list(zip(subs, grades))
+
+
+def table(graded: list[tuple[Submission, dict]]) -> tuple[list[str], list[list[str]]]:
+    """Header and rows: one row per learner, one column per exercise (``points/possible``), then the total."""
+    exercises = [e.id for e in catalog.EXERCISES if any(s.exercise == e.id for s, _ in graded)]
+    learners = sorted({s.learner for s, _ in graded})
+    cells: dict[tuple[str, str], str] = {}
+    totals = {learner: [0.0, 0.0] for learner in learners}
+    for sub, grade in graded:
+        if sub.exercise is None:
             continue
-        for line in check_notebook(path, timeout):
-            all_passed &= line.startswith("PASSED: ")
-            print(f"{path:<{width}}  {line}", flush=True)
-    return 0 if all_passed else 1
+        mark = "*" if grade.get("note") else ""
+        cells[(sub.learner, sub.exercise)] = f"{_num(grade['score'])}/{_num(grade['possible'])}{mark}"
+        totals[sub.learner][0] += grade["score"] or 0
+        totals[sub.learner][1] += grade["possible"] or 0
+    header = ["learner", *exercises, "total"]
+    rows = [[learner, *(cells.get((learner, e), "-") for e in exercises),
+             f"{_num(totals[learner][0])}/{_num(totals[learner][1])}"] for learner in learners]
+    return header, rows
+
+
+def _num(x) -> str:
+    if x is None:
+        return "?"
+    return str(int(x)) if float(x).is_integer() else f"{x:.1f}"
+
+
+def as_markdown(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def as_text(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in [header, *rows])
+
+
+def write_reports(graded: list[tuple[Submission, dict]], out: Path) -> tuple[list[str], list[list[str]]]:
+    header, rows = table(graded)
+    out.mkdir(parents=True, exist_ok=True)
+    buffer = io.StringIO()
+    csv.writer(buffer).writerows([header, *rows])
+    (out / "grades.csv").write_text(buffer.getvalue())
+    notes = [f"- {s.learner}, {s.exercise}: {g['note']}" for s, g in graded if g.get("note")]
+    (out / "grades.md").write_text(as_markdown(header, rows) + ("\n* " + "\n".join(notes) + "\n" if notes else ""))
+    per_learner: dict[str, dict] = {}
+    for sub, grade in graded:
+        entry = per_learner.setdefault(sub.learner, {"learner": sub.learner, "exercises": {}})
+        entry["exercises"][sub.exercise or sub.path.name] = {"file": str(sub.path), **grade}
+    for learner, entry in per_learner.items():
+        folder = out / _safe(learner)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "results.json").write_text(json.dumps(entry, indent=1, default=str))
+    return header, rows
+
+
+def _safe(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name) or "learner"
+
+
+def main(paths: list[str], jobs: int = 1, out: str = "grades", time_scale: float = 1.0) -> int:
+    """Grade, print the table and each failed check's sentence, write the reports; 0 when all passed."""
+    missing = [p for p in paths if not Path(p).exists()]
+    if missing:
+        print(f"ddpkit: error: no such file or folder: {missing[0]}", file=sys.stderr)
+        return 2
+    try:
+        import otter  # noqa: F401
+    except ImportError:
+        print("ddpkit: error: ddpkit check grades with otter-grader: pip install 'ddpkit[grader]'", file=sys.stderr)
+        return 2
+    autograde.TIME_SCALE["value"] = time_scale
+    graded = grade_all(paths, jobs)
+    if not graded:
+        print(f"ddpkit: error: no notebook (.ipynb) under {', '.join(paths)}", file=sys.stderr)
+        return 2
+    header, rows = write_reports(graded, Path(out))
+    print(as_text(header, rows))
+    for sub, grade in graded:
+        for check in grade["checks"]:
+            if not check["passed"]:
+                print(f"{sub.path}  {check['check']}: {check['message']}")
+        if grade.get("note"):
+            print(f"{sub.path}  {grade['note']}")
+    print(f"written: {os.path.join(out, 'grades.csv')}, {os.path.join(out, 'grades.md')} and one results.json per learner")
+    full = all(g["possible"] and g["score"] == g["possible"] and not g.get("note") for _, g in graded)
+    return 0 if full else 1

@@ -72,9 +72,9 @@ HINTS = {
         'dist.all_gather_object gives every rank every hash.',
     ],
     'ddp_from_scratch': [
-        'At construction: dist.broadcast every parameter from rank 0.',
-        'Group parameters in reverse order into buckets; p.register_post_accumulate_grad_hook(fn) tells you when p.grad is final.',
-        "When a bucket's last gradient arrives: flatten, divide by the world size, dist.all_reduce(flat, async_op=True); finish() waits and copies back.",
+        'Naive: at construction dist.broadcast every parameter from rank 0; in finish(), all-reduce each p.grad that exists and divide by the world size.',
+        'Overlap: p.register_post_accumulate_grad_hook(fn) tells you when p.grad is final; start dist.all_reduce(p.grad, async_op=True) there and keep the work; finish() waits.',
+        "Buckets: group parameters in reverse order until a group holds bucket_bytes; when a bucket's last gradient arrives, flatten it, divide, start one all-reduce; finish() waits and copies back.",
     ],
     'fsdp_from_scratch': [
         'Flatten, pad to a multiple of the world size, keep your slice as an nn.Parameter.',

@@ -14,7 +14,7 @@ import math
 import torch
 import torch.nn as nn
 
-from ddpkit.exercises import Result, not_implemented, run_on_ranks
+from ddpkit.exercises import Result, graded, not_implemented, run_on_ranks
 
 STAGES = {"ddp": (False, False, False), "zero1": (False, False, True), "zero2": (False, True, True), "zero3": (True, True, True)}
 WHAT = {0: "parameters", 1: "gradients", 2: "optimizer state"}
@@ -41,6 +41,7 @@ def _measured(ctx) -> dict:
             "optimizer": sum(size(v) for s in optimizer.state.values() for k, v in s.items() if k != "step")}
 
 
+@graded("03_state_bytes", "state_bytes")
 def check_state_bytes(fn) -> Result:
     try:
         for params, world in ((1_000, 4), (1_001, 4), (7_000_000_000, 8), (10, 3)):
@@ -48,10 +49,9 @@ def check_state_bytes(fn) -> Result:
                 got, want = fn(params, strategy, world), expected(params, strategy, world)
                 for k, key in enumerate(("params", "grads", "optimizer")):
                     if got.get(key) != want[key]:
-                        return Result(False, f"{strategy} with {params:,} parameters on {world} ranks: {WHAT[k]} "
-                                             f"{got.get(key)!r} bytes per rank, expected {want[key]:,} "
-                                             f"({'sharded: ceil(P/N)' if STAGES[strategy][k] else 'whole'} x "
-                                             f"{4 if k < 2 else 8} bytes)")
+                        return Result(False, f"{strategy} with {params:,} parameters on {world} ranks: the {WHAT[k]} "
+                                             f"per rank are wrong: does this stage shard them, and how many bytes "
+                                             f"per element?")
     except NotImplementedError:
         return not_implemented(getattr(fn, "__name__", "state_bytes"))
     runs = run_on_ranks(getattr(fn, "__name__", "state_bytes"), _measured, world_size=2)
@@ -60,6 +60,7 @@ def check_state_bytes(fn) -> Result:
     measured = runs[0]
     predicted = fn(measured["numel"], "ddp", 2)
     if any(predicted[k] != measured[k] for k in ("params", "grads", "optimizer")):
-        return Result(False, f"measured on 2 DDP ranks: {measured}; predicted {predicted}")
+        return Result(False, "measured on 2 DDP ranks after an AdamW step, the bytes differ from the prediction for ddp: "
+                             "count what each rank really holds")
     return Result(True, f"every stage on 1,000 to 7 billion parameters, and DDP's bytes measured on 2 ranks "
                         f"({measured['optimizer']:,} bytes of Adam moments)")

@@ -10,12 +10,13 @@ most p - s micro-batches' activations held on stage s (what makes 1F1B better th
 
 from __future__ import annotations
 
-from ddpkit.exercises import Result, not_implemented
+from ddpkit.exercises import Result, graded, not_implemented
 from ddpkit.parallel import pipeline
 
 CASES = ((2, 2), (2, 5), (3, 3), (4, 8), (4, 3), (5, 12))
 
 
+@graded("13_one_f_one_b", "one_f_one_b")
 def check_one_f_one_b(fn) -> Result:
     for p, m in CASES:
         try:

@@ -15,7 +15,7 @@ import tempfile
 
 import torch
 
-from ddpkit.exercises import Result, run_on_ranks
+from ddpkit.exercises import Result, graded, run_on_ranks
 
 NUMEL = 1_001
 
@@ -37,6 +37,7 @@ def _read(ctx, fn, files: list[str]) -> torch.Tensor:
     return torch.as_tensor(fn(files, ctx.rank, ctx.world_size, NUMEL)).detach().clone()
 
 
+@graded("11_load_shard", "load_shard")
 def check_load_shard(fn) -> Result:
     with tempfile.TemporaryDirectory(prefix="ddpkit-check-reshard-") as root:
         files = run_on_ranks("load_shard", _write, root, world_size=4)

@@ -7,6 +7,8 @@ process taking one big batch of all the ranks' samples (plain SGD, so the update
 
 1. 4 micro-batches, no loss scaling, a clip above the true norm: the update must be the big batch's,
    with exactly **one** all-reduce (counted by a DDP comm hook);
+   each case runs two steps in a row and compares the second, so a step that leaves its gradients
+   behind (no ``zero_grad``) is caught;
 2. a grad scaler (loss scaled by 2^16) and a clip that binds: the update's norm must be lr x the clip.
 
 It accepts ``zero_grad`` first or last, and any order of operations that computes the same update.
@@ -17,9 +19,9 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ddpkit.exercises import Result, Wrong, run_on_ranks
+from ddpkit.exercises import Result, Wrong, graded, run_on_ranks
 
-WORLD, ACCUM, MICRO, LR = 2, 4, 4, 0.1
+WORLD, ACCUM, MICRO, LR, STEPS = 2, 4, 4, 0.1, 2
 
 
 def _model() -> nn.Module:
@@ -27,8 +29,8 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
 
 
-def _data() -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(1)
+def _data(step: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1 + step)
     return torch.randn(WORLD * ACCUM * MICRO, 8, generator=gen), torch.randint(0, 4, (WORLD * ACCUM * MICRO,), generator=gen)
 
 
@@ -37,10 +39,21 @@ def _rank_slice(rank: int) -> slice:
     return slice(rank * per_rank, (rank + 1) * per_rank)
 
 
-def _reference(grad_clip: float) -> tuple[dict[str, torch.Tensor], list[float]]:
-    """One process, one big batch: the SGD update, and each rank's mean loss."""
+def _reference(grad_clip: float, step: int = 0) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """One process, one big batch: the SGD update of step ``step`` (after the earlier steps), and each rank's
+    mean loss."""
     model = _model()
-    x, y = _data()
+    for earlier in range(step):
+        x, y = _data(earlier)
+        model.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        norm = torch.sqrt(sum(p.grad.pow(2).sum() for p in model.parameters()))
+        scale = min(1.0, grad_clip / float(norm))
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= LR * p.grad * scale
+        model.zero_grad()
+    x, y = _data(step)
     nn.functional.cross_entropy(model(x), y).backward()
     grads = [p.grad for p in model.parameters()]
     norm = torch.sqrt(sum(g.pow(2).sum() for g in grads))
@@ -61,17 +74,20 @@ def _on_rank(ctx, fn, grad_clip: float, scaled: bool) -> dict:
     timer = CommTimer(torch.device("cpu")).register(ddp)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, enabled=scaled)
-    x, y = _data()
-    mine = _rank_slice(ctx.rank)
-    xs, ys = x[mine], y[mine]
-    batches = [(xs[i * MICRO:(i + 1) * MICRO], ys[i * MICRO:(i + 1) * MICRO]) for i in range(ACCUM)]
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    timer.reset()
-    loss = fn(ddp, optimizer, scaler, batches, nn.functional.cross_entropy, grad_clip)
+    for step in range(STEPS):  # the last step is compared: earlier ones must leave nothing behind
+        x, y = _data(step)
+        mine = _rank_slice(ctx.rank)
+        xs, ys = x[mine], y[mine]
+        batches = [(xs[i * MICRO:(i + 1) * MICRO], ys[i * MICRO:(i + 1) * MICRO]) for i in range(ACCUM)]
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        with torch.no_grad():  # the mean loss this rank must report, from its own parameters before the step
+            own_loss = sum(float(nn.functional.cross_entropy(model(bx), by)) for bx, by in batches) / len(batches)
+        timer.reset()
+        loss = fn(ddp, optimizer, scaler, batches, nn.functional.cross_entropy, grad_clip)
     if loss is None:
         raise Wrong("the step returned None: return this rank's mean loss over its micro-batches (a float)")
     return {"update": {n: p.detach() - before[n] for n, p in model.named_parameters()}, "loss": float(loss),
-            "all_reduces": timer.calls}
+            "own_loss": own_loss, "all_reduces": timer.calls}
 
 
 def _compare(runs: list[dict], expected: dict, losses: list[float], clip_binds: bool, grad_clip: float) -> None:
@@ -81,8 +97,9 @@ def _compare(runs: list[dict], expected: dict, losses: list[float], clip_binds: 
                 raise Wrong("no all-reduce ran in the step: the last micro-batch's forward and backward must run outside no_sync")
             raise Wrong(f"{run['all_reduces']} all-reduces in one step with grad_accum {ACCUM}: is the forward inside no_sync "
                         f"for all but the last micro-batch?")
-        if abs(run["loss"] - losses[rank]) > 1e-5:
-            raise Wrong(f"rank {rank} returned loss {run['loss']:.6f}, but its mean loss over its micro-batches is {losses[rank]:.6f}")
+        if abs(run["loss"] - run["own_loss"]) > 1e-5:
+            raise Wrong(f"rank {rank} returned a loss that is not its mean loss over its micro-batches: look at what the "
+                        f"step returns")
     for rank, run in enumerate(runs[1:], 1):
         if any(not torch.equal(run["update"][n], runs[0]["update"][n]) for n in expected):
             raise Wrong(f"rank {rank}'s parameters differ from rank 0's after the step: every rank must step on the averaged gradient")
@@ -94,24 +111,26 @@ def _compare(runs: list[dict], expected: dict, losses: list[float], clip_binds: 
     if float(got.norm()) == 0:
         raise Wrong("the parameters did not change: call optimizer.step() (through scaler.step(optimizer))")
     if abs(ratio - ACCUM) < 0.05 * ACCUM:
-        raise Wrong(f"the update is {ACCUM}x the big-batch one: divide each micro-batch's loss by the number of micro-batches ({ACCUM})")
+        raise Wrong(f"the update is {ACCUM}x the big-batch one: the {ACCUM} micro-batches' gradients add up where a mean "
+                    f"belongs")
     if clip_binds and ratio < 1e-3:
-        raise Wrong(f"the update's norm is 1/{1 / ratio:,.0f} of lr x grad_clip: unscale (scaler.unscale_(optimizer)) before "
-                    f"clipping, or the clip acts on the scaled gradient")
+        raise Wrong(f"the update's norm is 1/{1 / ratio:,.0f} of lr x grad_clip: the clip saw the loss-scaled gradient, "
+                    f"not the true one")
     if clip_binds and abs(float(got.norm()) - LR * grad_clip) > 1e-3 * LR * grad_clip:
-        raise Wrong(f"the update's norm is {float(got.norm()):.3g}, not lr x grad_clip = {LR * grad_clip:.3g}: clip the total "
-                    f"gradient norm to grad_clip (torch.nn.utils.clip_grad_norm_) after unscaling")
-    raise Wrong(f"the update differs from one big batch's (norm ratio {ratio:.3f}, largest difference "
-                f"{float((got - want).abs().max()):.2e}): the gradient must be the mean over all ranks' samples")
+        raise Wrong("with a clip that binds, the update's norm is not lr x grad_clip: is the total gradient norm clipped, "
+                    "after unscaling?")
+    raise Wrong(f"step {STEPS}'s update differs from one big batch's (norm ratio {ratio:.3f}): the gradient must be the "
+                f"mean over all ranks' samples of this step only (is anything left from the step before?)")
 
 
+@graded("05_train_step", "train_step")
 def check_train_step(fn) -> Result:
     """Check a train step on 2 ranks (see the module docstring)."""
-    unclipped, losses = _reference(1e9)
+    unclipped, losses = _reference(1e9, STEPS - 1)
     true_norm = float(torch.cat([g.flatten() for g in unclipped.values()]).norm()) / LR
     tight = 0.1 * true_norm  # a clip that binds
-    clipped, _ = _reference(tight)
-    for scaled, grad_clip, expected in ((False, 1e9, unclipped), (True, tight, clipped)):
+    clipped, clipped_losses = _reference(tight, STEPS - 1)  # the first step was clipped too: other losses
+    for scaled, grad_clip, expected, losses in ((False, 1e9, unclipped, losses), (True, tight, clipped, clipped_losses)):
         runs = run_on_ranks(getattr(fn, "__name__", "train_step"), _on_rank, fn, grad_clip, scaled, world_size=WORLD)
         if isinstance(runs, Result):
             return runs

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ddpkit.exercises import Result, Wrong, run_on_ranks
+from ddpkit.exercises import Result, Wrong, graded, run_on_ranks
 
 WORLD, D, H = 2, 8, 16
 
@@ -57,6 +57,7 @@ def _on_rank(ctx, f, g) -> dict:
             "forward": forward_calls, "backward": backward_calls}
 
 
+@graded("12_f_and_g", "f_and_g")
 def check_f_and_g(copy_to_parallel, reduce_from_parallel) -> Result:
     runs = run_on_ranks(getattr(copy_to_parallel, "__name__", "copy_to_parallel"), _on_rank, copy_to_parallel,
                         reduce_from_parallel, world_size=WORLD)

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import dataclasses
 
-from ddpkit.exercises import Result, Wrong, not_implemented, run_on_ranks
+from ddpkit.exercises import Result, Wrong, graded, not_implemented, run_on_ranks
 
 STEPS = 12
 
 
+@graded("00_build_it_live", "config")
 def check_config_class(cls) -> Result:
     try:
         if not dataclasses.is_dataclass(cls):
@@ -29,7 +30,7 @@ def check_config_class(cls) -> Result:
             cfg = cls(micro_batch_size=micro, grad_accum_steps=accum, world_size=world)
             if cfg.global_batch_size != want:
                 return Result(False, f"micro {micro} x accum {accum} x world {world} gave global_batch_size "
-                                     f"{cfg.global_batch_size}, not {want}: it is the product of the three")
+                                     f"{cfg.global_batch_size}: it must count every sample of a step, on every rank")
     except NotImplementedError:
         return not_implemented("TrainConfig")
     except TypeError as exc:
@@ -48,6 +49,7 @@ def _learner(ctx, run, cfg) -> str:
     return metrics.state_sha256(state)
 
 
+@graded("00_build_it_live", "run")
 def check_trainer(run, steps: int = STEPS) -> Result:
     from ddpkit import train
     from ddpkit.config import TrainConfig
@@ -62,12 +64,12 @@ def check_trainer(run, steps: int = STEPS) -> Result:
                              "and step every rank on the same gradient")
     reference = launch(train.run, cfg, world_size=2, output="none", progress="off")[0]["param_sha256"]
     if hashes[0] != reference:
-        return Result(False, f"after {steps} steps the parameters differ from ddpkit train's ({hashes[0][:12]} vs "
-                             f"{reference[:12]}): compare, in order, the initial weights (build_model(cfg)), the sampler's "
-                             f"order, the loss (loss_fn), clipping (cfg.grad_clip) and the learning rate (lr_at(cfg, step))")
+        return Result(False, f"after {steps} steps the parameters differ from ddpkit train's: compare, in order, the "
+                             f"initial weights, the sampler's order, the loss, clipping and the learning-rate schedule")
     return Result(True, f"bitwise ddpkit train: the same param_sha256 after {steps} steps on 2 ranks ({reference[:16]})")
 
 
+@graded("00_build_it_live", "model_and_optimizer")
 def check_model_and_optimizer(fn) -> Result:
     """``fn(cfg) -> (model, optimizer)``: ddpkit's model for ``cfg`` (its seeded initial weights) and AdamW at
     the schedule's first learning rate with the config's weight decay."""
@@ -91,8 +93,8 @@ def check_model_and_optimizer(fn) -> Result:
         return Result(False, f"the optimizer is {type(optimizer).__name__}, not torch.optim.AdamW")
     group = optimizer.param_groups[0]
     if abs(group["lr"] - lr_at(cfg, 0)) > 1e-12 or abs(group["weight_decay"] - cfg.weight_decay) > 1e-12:
-        return Result(False, f"lr {group['lr']:g} and weight decay {group['weight_decay']:g}; the schedule starts at "
-                             f"lr_at(cfg, 0) = {lr_at(cfg, 0):g} with weight decay {cfg.weight_decay:g}")
+        return Result(False, "the optimizer's first learning rate or weight decay is not the config's: where does the "
+                             "schedule start, and which weight decay does the config give?")
     if {id(p) for p in optimizer.param_groups[0]["params"]} != {id(p) for p in model.parameters()}:
         return Result(False, "the optimizer does not hold this model's parameters")
     return Result(True, "ddpkit's initial weights and AdamW at the schedule's first learning rate")

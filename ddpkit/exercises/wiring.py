@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 
-from ddpkit.exercises import Result, run_on_ranks
+from ddpkit.exercises import Result, graded, run_on_ranks
 
 TWO_NODES = [({"RANK": str(r), "LOCAL_RANK": str(r % 2), "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}, 2) for r in range(4)]
 
@@ -27,6 +27,7 @@ def _expected(env: dict, gpus: int) -> dict:
             "device": f"cuda:{local}" if gpus >= int(env["LOCAL_WORLD_SIZE"]) else "cpu"}
 
 
+@graded("08_rank_wiring", "rank_wiring")
 def check_rank_wiring(fn) -> Result:
     runs = run_on_ranks(getattr(fn, "__name__", "rank_wiring"), _on_rank, fn, world_size=2)
     if isinstance(runs, Result):
