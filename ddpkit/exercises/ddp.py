@@ -14,10 +14,9 @@ every rank, those of one process that averages the ranks' gradients itself (atol
 by a hard-coded 2, a missing broadcast all show). Every c10d operation is recorded at the dispatcher
 (:class:`ddpkit.exercises.witness.Collectives`) with its bytes, launch and completion times, and every
 ``wait()`` on a collective's work while backward runs is recorded too. Stage 2 and 3 must launch their
-all-reduces while backward runs, never wait for one inside backward, and in at least one of the 27 rank
-steps have an all-reduce **complete** before backward ends (one observation proves the overlap; on a busy
-machine four ranks on two cores may not show it every time) (communication really overlapped computation: the model's
-batch is large enough that each layer's backward takes longer than a small all-reduce). Stage 2 issues one all-reduce per
+all-reduces while backward runs and never wait for one inside backward; how many completed before
+backward ended is reported with the verdict, not required (whether gloo's thread finishes one before the
+last layer's backward depends on the machine's load). Stage 2 issues one all-reduce per
 trainable parameter; stage 3's all-reduces carry, in launch order, the buckets that ``bucket_bytes``
 makes (:func:`bucket_plans`: either usual rule, either order), tried with two bucket sizes. Torch's
 ``DistributedDataParallel`` (and ``replicate``) are refused when they run on the learner's behalf.
@@ -170,10 +169,17 @@ def _overlap(runs_by_world: list, expected_reduces: int | None) -> Result | None
                     return Result(False, f"on {world} ranks only {step['launched_in_backward']} of {step['reduces']} "
                                          f"all-reduces were launched while backward ran: launch each from the hook that "
                                          f"sees its gradient ready")
-    if not any(step["done_in_backward"] for _, runs in runs_by_world for run in runs for step in run["steps"]):
-        return Result(False, "no all-reduce completed before backward ended, in any step on 2, 3 or 4 ranks: the "
-                             "communication did not overlap the computation")
     return None
+
+
+def _completed_in_backward(runs_by_world: list) -> str:
+    """Evidence for the pass message: how many all-reduces completed before their backward ended. Shown,
+    not required: whether gloo's thread finishes one before the last layer's backward depends on the
+    machine's load (a correct wrapper on a quiet CI machine was seen with none), while launching from the
+    hooks and never waiting inside backward, which the check does require, is what makes overlap possible."""
+    steps = [step for _, runs in runs_by_world for run in runs for step in run["steps"]]
+    done, total = sum(s["done_in_backward"] for s in steps), sum(s["reduces"] for s in steps)
+    return f"{done} of {total} completed before backward ended"
 
 
 @graded("05_ddp_from_scratch", "naive")
@@ -200,7 +206,7 @@ def check_overlap_ddp(cls) -> Result:
     if late:
         return late
     return Result(True, f"the averaged gradients' parameters on 2, 3 and 4 ranks; one all-reduce per parameter, launched "
-                        f"while backward ran, some completed before it ended")
+                        f"while backward ran ({_completed_in_backward(runs_by_world)})")
 
 
 def bucket_plans(sizes: list[int], bucket_bytes: int) -> set[tuple[int, ...]]:
@@ -247,7 +253,7 @@ def check_bucketed_ddp(cls) -> Result:
         if late:
             return late
     return Result(True, "the averaged gradients' parameters on 2, 3 and 4 ranks; buckets of bucket_bytes (two sizes "
-                        "tried), launched while backward ran, some completed before it ended")
+                        f"tried), launched while backward ran ({_completed_in_backward(runs_by_world)})")
 
 
 check_ddp = check_bucketed_ddp  # the name the single-stage version had
