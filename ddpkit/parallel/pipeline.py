@@ -20,7 +20,8 @@ and shrinks as m grows. Two schedules with that same bubble (:func:`gpipe`, :fun
 :func:`simulate` runs a schedule on a clock (checking every dependency: a forward needs the previous
 stage's forward of that micro-batch, a backward the next stage's backward) and gives its timeline, its
 bubble and the activations each stage holds; :func:`run_pipeline` runs the same schedules for real with
-``torch.distributed.pipelining`` and measures them.
+``torch.distributed.pipelining`` and measures them. Interleaved virtual stages, the zero-bubble split of
+the backward and ZB-V are in :mod:`ddpkit.parallel.pipeline_schedules`.
 """
 
 from __future__ import annotations
