@@ -28,7 +28,7 @@ import warnings
 import torch.distributed as dist
 
 from ddpkit import checkpoint, runtime, state, train
-from ddpkit.config import AMP_MODES, CHECKPOINT_FORMATS, FAIL_MODES, MODELS, STRATEGIES, TrainConfig
+from ddpkit.config import AMP_MODES, CHECKPOINT_FORMATS, FAIL_MODES, MODELS, PP_SCHEDULES, STRATEGIES, TrainConfig
 from ddpkit.errors import UserError
 from ddpkit.failures import LaunchError, knock_on_line, raised_in_collective
 from ddpkit.launch import MAX_LOCAL_RANKS, launch
@@ -64,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ddp replicates everything; zero1 / zero1-torch shard the optimizer state; fsdp2 shards all")
     p.add_argument("--tp", type=int, default=d.tp, help="tensor-parallel degree (world = dp x tp x pp)")
     p.add_argument("--pp", type=int, default=d.pp, help="pipeline-parallel degree")
+    p.add_argument("--pp-schedule", default=d.pp_schedule, metavar="|".join(PP_SCHEDULES),
+                   help="pipeline schedule (zero-bubble: ZB-H1, the weight gradients deferred)")
     p.add_argument("--activation-checkpointing", action="store_true",
                    help="recompute activations in backward instead of storing them")
     p.add_argument("--checkpoint-dir", default=None)

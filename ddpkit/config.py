@@ -34,6 +34,8 @@ MODELS = ("mlp", "gpt")
 AMP_MODES = ("off", "bf16", "fp16")
 FAIL_MODES = ("raise", "exit", "kill", "hang", "slow", "sigterm", "nan", "spike")
 STRATEGIES = ("ddp", "zero1", "zero1-torch", "fsdp2")
+PP_SCHEDULES = ("1f1b", "gpipe", "zero-bubble")  # the trainer's, one stage per rank
+PP_NOTEBOOK_ONLY = ("interleaved", "zbv")  # several stages per rank: torch.distributed.pipelining, notebook 13
 CHECKPOINT_FORMATS = ("full", "dcp")
 MAX_SEED = 2**32 - 1  # numpy's limit; derived seeds (seed x 1,000,003 + epoch) stay inside torch's 64 bits
 MAX_WORKERS = 32
@@ -105,6 +107,9 @@ class TrainConfig:
     """Tensor-parallel degree: ranks that split each layer (world = dp x tp x pp)."""
     pp: int = runtime(1)
     """Pipeline-parallel degree: ranks that split the layers into stages."""
+    pp_schedule: str = runtime("1f1b")
+    """The pipeline's schedule: ``1f1b``, ``gpipe`` or ``zero-bubble`` (ZB-H1: the backward split into its
+    input-gradient and weight-gradient parts, the weight parts run later). Same gradients, same numbers."""
     strategy: str = runtime("ddp")
     """How the model, gradients and optimizer state are split across data-parallel ranks: ``ddp``
     (replicate all), ``zero1`` (ours: shard the optimizer state), ``zero1-torch`` (PyTorch's
@@ -228,6 +233,11 @@ class TrainConfig:
         need(self.pp == 1 or self.strategy == "ddp",
              f"pipeline parallelism combines with strategy ddp across replicas, not {self.strategy}: use --strategy ddp")
         need(self.pp == 1 or self.model == "gpt", "pipeline parallelism cuts the GPT's blocks into stages: use --model gpt")
+        need(self.pp_schedule in PP_SCHEDULES,
+             f"pp-schedule {self.pp_schedule} holds several stages per rank, which the trainer's pipeline does not: "
+             f"see notebook 13, or use one of {', '.join(PP_SCHEDULES)}" if self.pp_schedule in PP_NOTEBOOK_ONLY else
+             f"unknown pp-schedule {self.pp_schedule!r}: use one of {', '.join(PP_SCHEDULES)}")
+        need(self.pp > 1 or self.pp_schedule == "1f1b", f"pp-schedule {self.pp_schedule} schedules a pipeline: use --pp >= 2")
         need(self.pp <= self.n_layers,
              f"pp {self.pp} is more stages than the model's {self.n_layers} blocks: use --pp <= {self.n_layers} "
              f"or raise --n-layers")

@@ -78,6 +78,8 @@ class Trainer:
         self.attempt, self.started, wall_started = attempt, time.perf_counter(), time.time()
         seed_everything(cfg.seed)
         self.strategy = build_strategy(cfg.strategy, ctx)
+        if ctx.dims.pp > 1:
+            self.strategy.schedule_name = cfg.pp_schedule
         self.raw_model = build_model(cfg).to(ctx.device)
         self.model = self.strategy.wrap(self.raw_model)
         self.optimizer = self.strategy.build_optimizer(self.raw_model, lr_at(cfg, 0), cfg.weight_decay)

@@ -236,6 +236,15 @@ def check_13(records):
     trainer = records["trainer"]
     assert trainer["same_data"] and trainer["max_loss_gap"] <= 1e-4 and trainer["bitwise"]
     assert max(trainer["ratios"].values()) < 1.2 / trainer["stages"]
+    beyond = records["beyond"]
+    p, m, v = beyond["p"], beyond["m"], beyond["v"]
+    assert abs(beyond["interleaved"]["bubble"] - (p - 1) / (v * m)) < 1e-9 and abs(beyond["1f1b"]["bubble"] - (p - 1) / m) < 1e-9
+    assert abs(beyond["zero-bubble"]["bubble"] - (p - 1) / (3 * m)) < 1e-9 and beyond["zbv"]["within"] < 1e-9
+    assert beyond["zero-bubble"]["held"] == [p] * p and max(beyond["zbv"]["held"]) == p < max(beyond["interleaved"]["held"])
+    assert all(beyond[n]["torch"] in (True, "not comparable on this torch") for n in ("interleaved", "zero-bubble", "zbv"))
+    for name, run in records["beyond_measured"].items():
+        assert run["grad_diff"] <= 1e-6 and run["same_order"] and run["held"] == run["held_simulated"], name
+        assert run["bubble"] > run["floor"] - 0.05, name
 
 
 def check_14(records):

@@ -9,20 +9,25 @@ the ideal time of a batch is t_id = m (t_f + t_b) and the bubble time t_pb = (p 
 
     bubble time fraction = t_pb / t_id = (p - 1) / (v m)
 
-a share of the *ideal compute time*, not of the step (1F1B's is (p - 1) / m in the same units). The price:
-p times more point-to-point messages per chunk boundary crossed, and more activations held in warm-up.
+a share of the *ideal compute time*, not of the step (1F1B's is (p - 1) / m in the same units). The price,
+in the paper's words: "the amount of communication also increases by v", and the first ranks hold more
+activations during the longer warm-up. (The paper asks m to be a multiple of p; torch, and this module,
+accept any m that splits into rounds of at most p.)
 
 **Zero bubble** (Qi et al. 2023, "Zero Bubble Pipeline Parallelism"). A backward is two computations: the
 gradient of the *input* (the paper's B, torch's ``I``), which the previous stage is waiting for, and the
 gradient of the *weights* (``W``), which nobody waits for. Sending B's result on at once and running W
-later fills the idle slots. ZB-H1 (section 2.1) keeps 1F1B's warm-up but lets stage s defer s of its W
-passes into the flush; with T_F = T_B = T_W its bubble is (p - 1)(T_F + T_B - T_W), a third of 1F1B's
-(p - 1)(T_F + T_B + T_W), with 1F1B's peak memory. torch calls the interleaved version of ZB-H1 ZB1P
-(``ScheduleInterleavedZeroBubble``); with v = 1 it is ZB-H1.
+later fills idle slots. ZB-H1 (section 2.1) keeps 1F1B's warm-up and delays W passes so that no stage
+holds more micro-batches than 1F1B's first stage; with T_F = T_B = T_W its bubble is a third of 1F1B's:
+(p - 1) / (3m) of the ideal time, against (p - 1) / m. torch's generator (followed here) has rank r skip
+the W of its first r steady steps and run those W passes in the flush. torch's
+``ScheduleInterleavedZeroBubble`` is the same with v chunks per rank (the paper's ZB-H1 when v = 1).
 
 **ZB-V** (Qi et al., section 6): two chunks per rank placed in a V (rank r holds chunks r and 2p - 1 - r,
 so the last rank runs the middle two back to back and the first rank holds both ends), with F, B and W
-ordered so that, when T_F = T_B = T_W and m >= 2p, the bubble is close to zero at 1F1B's peak memory.
+ordered so that, when T_F = T_B = T_W and m >= 2p - 1, no rank is idle between its first action and its
+last, at 1F1B's peak activation memory. That is the paper's zero bubble: the ranks' staggered start and
+end fit against the next step's when no synchronization separates the steps (its section 4).
 
 Here the generators return each rank's actions in order (kinds ``F``, ``B`` = full backward, ``I``, ``W``
 as in ``torch.distributed.pipelining``), :func:`simulate` runs them on a clock and refuses any order that
@@ -73,7 +78,7 @@ def interleaved(p: int, m: int, v: int, zero_bubble: bool = False) -> list[list[
     (ZB-H1's delay); the deferred W run at the end."""
     if v < 1 or p < 1 or m < 1:
         raise ValueError(f"need p, m, v >= 1 (got p={p}, m={m}, v={v})")
-    per_round = _rounds(p, m)
+    per_round = _rounds(p, m) if v > 1 else m  # one chunk per rank: no rounds to split into
     orders = []
     for r in range(p):
         total = v * m
@@ -250,9 +255,9 @@ def bubble_over_ideal(timeline: list[dict]) -> float:
 
 def bubble_within_ranks(timeline: list[dict]) -> float:
     """Idle time inside each rank's own span (its first start to its last end) over busy time: the
-    parallelogram Qi et al. count, where the staggered start and end of the ranks are left to overlap with
-    the next step's (their section 4). ZB-V makes this 0 for m >= 2p - 1; a single step still pays the
-    stagger, which :func:`bubble_over_ideal` counts."""
+    parallelogram Qi et al. count, whose staggered start and end fit against the next step's when no
+    synchronization separates the steps (their section 4). ZB-V makes this 0 for m >= 2p - 1; a single
+    step still pays the stagger, which :func:`bubble_over_ideal` counts."""
     idle = busy = 0.0
     for r in {e["rank"] for e in timeline}:
         mine = [e for e in timeline if e["rank"] == r]

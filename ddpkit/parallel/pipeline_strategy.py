@@ -1,4 +1,4 @@
-"""Pipeline parallelism in the trainer: every rank holds one stage, and a step runs a 1F1B schedule.
+"""Pipeline parallelism in the trainer: every rank holds one stage; a step runs 1F1B (or GPipe, or ZB-H1).
 
 With ``--pp P`` the GPT's blocks are cut into P contiguous stages (:func:`~ddpkit.parallel.pipeline.stage_bounds`).
 The P ranks of one data-parallel replica (same dp and tp coordinates) hold one stage each and pass
@@ -6,10 +6,16 @@ activations forward, and their gradients back, as point-to-point messages. The s
 micro-batches are the pipeline's m micro-batches: raise ``--grad-accum`` to shrink the bubble
 (P - 1) / (m + P - 1).
 
-The executor runs the schedule that our own generator makes (:func:`~ddpkit.parallel.pipeline.one_f_one_b`):
-this stage's actions in order. Its messages follow :func:`exchange_plan`: before each action, the send
-of what the previous action produced and the receive the action needs are posted **together**
-(``batch_isend_irecv``), as torch's own pipelining does. On NCCL a send does not complete until its
+The executor runs the schedule that our own generator makes (``--pp-schedule``: 1F1B by default, GPipe,
+or ZB-H1 from :mod:`~ddpkit.parallel.pipeline_schedules`): this stage's actions in order. ZB-H1 splits a
+backward in two: ``I`` computes only the gradient of the stage's input (``torch.autograd.backward`` with
+``inputs=[x]``, the graph kept) and sends it on at once; ``W`` later computes the weights' gradients
+through the same graph (``inputs=`` the stage's parameters). The weight gradients are the same numbers as
+a whole backward's, so the trained weights are 1F1B's to the bit.
+
+The messages follow :func:`exchange_plan`: before each action, the send of what the previous action
+produced and the receive the action needs are posted **together** (``batch_isend_irecv``), as torch's own
+pipelining does. On NCCL a send does not complete until its
 receive is posted, and a rank's operations run in the order they were issued; posted one at a time,
 stage 0 of a 1F1B schedule issues S(a0) S(a1) R(g0) while stage 1 issues R(a0) S(g0) R(a1), and once an
 activation is larger than NCCL's buffers both wait forever: S(a1) for R(a1), which is queued behind
@@ -58,7 +64,8 @@ from ddpkit.models import loss_fn
 from ddpkit.parallel.base import Strategy
 from ddpkit.parallel.chunks import adam_state
 from ddpkit.parallel.held_state import MOMENTS, HeldState, param_groups
-from ddpkit.parallel.pipeline import Action, GPTStage, schedule, stage_bounds
+from ddpkit.parallel.pipeline import Action, GPTStage, stage_bounds
+from ddpkit.parallel.pipeline_schedules import generate
 
 ACTIVATION_DTYPE = torch.float32  # what travels between stages (a block's residual stream is fp32 under autocast too)
 
@@ -81,14 +88,14 @@ def exchange_plan(order: list[Action], stage: int, p: int) -> list[list[Message]
     def needs(a: Action) -> list[Message]:
         if a.kind == "F" and stage > 0:
             return [Message("recv", "activation", a.micro, stage - 1)]
-        if a.kind == "B" and stage < p - 1:
+        if a.kind in "BI" and stage < p - 1:  # an input gradient starts from the next stage's
             return [Message("recv", "grad", a.micro, stage + 1)]
         return []
 
     def makes(a: Action) -> list[Message]:
         if a.kind == "F" and stage < p - 1:
             return [Message("send", "activation", a.micro, stage + 1)]
-        if a.kind == "B" and stage > 0:
+        if a.kind in "BI" and stage > 0:
             return [Message("send", "grad", a.micro, stage - 1)]
         return []
 
@@ -104,6 +111,7 @@ class PipelineStrategy(HeldState, Strategy):
 
     name = "ddp"
     schedule_name = "1f1b"
+    """``1f1b``, ``gpipe`` or ``zero-bubble`` (the trainer sets it from ``--pp-schedule``)."""
     batch_messages = True
     """Post each batch of :func:`exchange_plan` together. False posts its messages one at a time (each
     receive waited for, each send not), the way that deadlocks on NCCL: kept to show that it does."""
@@ -198,10 +206,10 @@ class PipelineStrategy(HeldState, Strategy):
         and average the gradients. ``run`` is the step's :class:`~ddpkit.step.MicroStep`: its parts (to
         device, autocast, loss, backward, record) are used one by one."""
         s, p = self.ctx.pp_rank, self.ctx.dims.pp
-        order = schedule(self.schedule_name, p, len(micro_batches))[s]
+        order = generate(self.schedule_name, p, len(micro_batches), 1)[s]
         plan = exchange_plan(order, s, p)
         shape = self._activation_shape(micro_batches[0]["inputs"])  # every message is one (B, T, C)
-        inputs, outputs, losses, sums, outgoing, pending = {}, {}, {}, {}, {}, []
+        inputs, outputs, losses, sums, outgoing, pending, deferred = {}, {}, {}, {}, {}, [], {}
         if not self._last:  # fp16: the scaler takes its first scale when it first scales, and only the last
             run.scaler.scale(torch.zeros((), device=self.ctx.device))  # stage scales a loss; the others unscale
         for k, action in enumerate(order):
@@ -217,9 +225,18 @@ class PipelineStrategy(HeldState, Strategy):
                         losses[i], sums[i] = run.loss(per_sample), per_sample.detach().sum()
                 inputs[i], outputs[i] = x, out
                 outgoing[("activation", i)] = out
+            elif action.kind == "W":  # the weights' gradients, through the graph that I kept
+                with run.timer("backward_s"):
+                    torch.autograd.backward(*deferred.pop(i), inputs=[q for q in self.stage.parameters() if q.requires_grad])
             else:
                 x, out = inputs.pop(i), outputs.pop(i)
-                if self._last:
+                if action.kind == "I":  # the input's gradient only (none on the first stage), sent on at once
+                    start = run.scaler.scale(losses.pop(i)) if self._last else out
+                    deferred[i] = (start, None if self._last else received[("grad", i)].to(out.dtype))
+                    if not self._first:
+                        with run.timer("backward_s"):
+                            torch.autograd.backward(*deferred[i], inputs=[x], retain_graph=True)
+                elif self._last:
                     run.backward(losses.pop(i))
                 else:
                     with run.timer("backward_s"):
