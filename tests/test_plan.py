@@ -125,3 +125,15 @@ def test_trainer_configs_map_to_planner_layouts_and_paired_medians_cancel_common
     times = {"ref": [1.0, 3.0, 1.0], "slow": [2.0, 6.0, 2.0]}  # the second round ran under 3x the load
     assert calibrate.paired_medians(times, "ref") == {"ref": 1.0, "slow": 2.0}
     assert calibrate.medians(times)["slow"] == 2.0
+
+
+def test_recomputation_costs_a_third_more_compute_and_deeper_pipelines_idle_more():
+    model, cluster = llama2_70b(), seed003_cluster()
+    base = Layout(dp=4, tp=4, pp=8, micro_batch=1, micro_batches=8)
+    compute = {k: step_time(model, cluster, Layout(**{**base.__dict__, "checkpointing": k}))["compute"] for k in (False, True)}
+    assert compute[True] / compute[False] == pytest.approx(4 / 3)  # one more forward on top of forward + backward
+    shares = []
+    for pp in (2, 4, 8):  # the same 8 micro-batches through deeper pipelines
+        t = step_time(model, cluster, Layout(dp=4, tp=8, pp=pp, micro_batch=1, micro_batches=8))
+        shares.append(t["bubble"] / t["total"])
+    assert shares == sorted(shares) and shares[0] < shares[-1]
