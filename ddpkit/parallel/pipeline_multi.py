@@ -33,8 +33,8 @@ def schedule_class(name: str):
         raise UserError(f"no multi-stage schedule {name!r}: use one of {', '.join(CLASSES)}")
     cls = getattr(pipelining, CLASSES[name], None)
     if cls is None or "1f1b" not in runnable_schedules():
-        raise UserError(f"{CLASSES[name]} is not run here on torch {torch.__version__.split('+')[0]} (Schedule1F1B "
-                        f"hangs on gloo before 2.8 and these build on it): use torch >= 2.8")
+        raise UserError(f"{CLASSES[name]} is not run here on torch {torch.__version__.split('+')[0]} (missing, or "
+                        f"older than 2.8, where Schedule1F1B hangs on gloo and these were not tried): use torch >= 2.8")
     return cls
 
 
