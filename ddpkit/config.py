@@ -33,7 +33,8 @@ from ddpkit.parallel.dims import ParallelDims
 MODELS = ("mlp", "gpt")
 AMP_MODES = ("off", "bf16", "fp16")
 FAIL_MODES = ("raise", "exit", "kill", "hang", "slow", "sigterm", "nan", "spike")
-STRATEGIES = ("ddp", "zero1", "zero1-torch", "fsdp2")
+STRATEGIES = ("ddp", "zero1", "zero1-torch", "fsdp2", "hsdp")
+SHARDED = ("fsdp2", "hsdp")  # the strategies that keep only a shard of each parameter (FSDP2's fully_shard)
 CHECKPOINT_FORMATS = ("full", "dcp")
 MAX_SEED = 2**32 - 1  # numpy's limit; derived seeds (seed x 1,000,003 + epoch) stay inside torch's 64 bits
 MAX_WORKERS = 32
@@ -108,7 +109,18 @@ class TrainConfig:
     strategy: str = runtime("ddp")
     """How the model, gradients and optimizer state are split across data-parallel ranks: ``ddp``
     (replicate all), ``zero1`` (ours: shard the optimizer state), ``zero1-torch`` (PyTorch's
-    ZeroRedundancyOptimizer) or ``fsdp2`` (shard parameters, gradients and optimizer state)."""
+    ZeroRedundancyOptimizer), ``fsdp2`` (shard parameters, gradients and optimizer state; with ``tp`` > 1
+    each shard is of a tensor-parallel slice) or ``hsdp`` (fsdp2 within groups of ``shard`` ranks,
+    replicated across ``replicate`` such groups)."""
+    replicate: int = runtime(0)
+    """Strategy hsdp: the replica groups, the outer axis of its 2-D mesh (0: world / shard)."""
+    shard: int = runtime(0)
+    """Strategy hsdp: the ranks each parameter is sharded over, the inner axis (0: world / replicate, or
+    the whole world when neither is given)."""
+    reshard_after_forward: bool | None = runtime(None)
+    """Strategies fsdp2 and hsdp: True frees each block's gathered parameters after its forward and
+    gathers them again in backward (ZeRO-3); False keeps them from forward to backward (ZeRO-2's
+    memory for the parameters, no all-gather in backward); None is FSDP2's own default (True)."""
     activation_checkpointing: bool = runtime(False)
     """Recompute each block's activations in backward instead of keeping them (same numbers, less
     memory, more compute)."""
@@ -193,14 +205,14 @@ class TrainConfig:
         need(self.checkpoint_format in CHECKPOINT_FORMATS,
              f"unknown checkpoint format {self.checkpoint_format!r}: use one of {', '.join(CHECKPOINT_FORMATS)}")
         need(isinstance(self.activation_checkpointing, bool), "activation-checkpointing must be True or False")
-        need(not (self.strategy == "fsdp2" and self.checkpoint_dir and self.checkpoint_format == "full"),
-             "strategy fsdp2 keeps only a shard of each parameter on every rank: use --checkpoint-format dcp "
+        need(not (self.strategy in SHARDED and self.checkpoint_dir and self.checkpoint_format == "full"),
+             f"strategy {self.strategy} keeps only a shard of each parameter on every rank: use --checkpoint-format dcp "
              "(every rank writes its own shards)")
         for name in ("world_size", "tp", "pp", "micro_batch_size", "grad_accum", "dataset_size", "keep_last",
                      "input_width", "hidden_width", "num_classes", "vocab_size", "seq_len",
                      "d_model", "n_heads", "n_layers", "log_every"):
             need(getattr(self, name) >= 1, f"{flag(name)} must be >= 1, got {getattr(self, name)}")
-        for name in ("steps", "warmup_steps", "checkpoint_every", "max_restarts", "num_workers"):
+        for name in ("steps", "warmup_steps", "checkpoint_every", "max_restarts", "num_workers", "replicate", "shard"):
             need(getattr(self, name) >= 0, f"{flag(name)} must be >= 0, got {getattr(self, name)}")
         need(0 <= self.seed <= MAX_SEED, f"seed must be in 0 .. {MAX_SEED}, got {self.seed}")
         need(0 < self.lr <= 1, f"lr must be in (0, 1], got {self.lr}")
@@ -218,8 +230,10 @@ class TrainConfig:
         need(self.world_size % (self.tp * self.pp) == 0,
              f"world size {self.world_size} is not divisible by tp x pp = {self.tp} x {self.pp}: use a world size "
              f"that is a multiple of {self.tp * self.pp}")
-        need(self.tp == 1 or self.strategy == "ddp",
-             f"tensor parallelism combines with strategy ddp across replicas, not {self.strategy}: use --strategy ddp")
+        need(self.tp == 1 or self.strategy in ("ddp", "fsdp2"),
+             f"tensor parallelism combines with strategy ddp or fsdp2 across replicas, not {self.strategy}: "
+             f"use --strategy ddp or fsdp2")
+        self._check_sharding(need)
         need(self.tp == 1 or self.model == "gpt",
              "tensor parallelism splits the GPT's attention heads and MLP: use --model gpt")
         need(self.tp == 1 or (self.n_heads % self.tp == 0 and 4 * self.d_model % self.tp == 0),
@@ -251,6 +265,36 @@ class TrainConfig:
              f"this config needs about {need_bytes / 2**30:.1f} GiB for {self.world_size} ranks (each builds "
              f"the {self.dataset_size}-sample dataset and the model), more than half of this machine's "
              f"{have_bytes / 2**30:.1f} GiB: lower --dataset-size or the model widths")
+
+    def _check_sharding(self, need) -> None:
+        """The FSDP2 flags: each means something with its strategies only, and hsdp's mesh fills dp."""
+        need(self.reshard_after_forward in (None, True, False), "reshard-after-forward must be True, False or None")
+        need(self.reshard_after_forward is None or self.strategy in SHARDED,
+             f"--reshard-after-forward decides when FSDP2 frees gathered parameters: it means nothing with "
+             f"strategy {self.strategy}: use --strategy fsdp2 or hsdp, or leave it out")
+        need(not (self.replicate or self.shard) or self.strategy == "hsdp",
+             f"--replicate and --shard lay out strategy hsdp's 2-D mesh, not {self.strategy}'s: use --strategy hsdp "
+             f"or leave them out")
+        if self.strategy != "hsdp":
+            return
+        need(self.tp == 1 and self.pp == 1, "strategy hsdp shards over its own 2-D mesh of the whole world: "
+             "leave out --tp and --pp (use --strategy fsdp2 --tp N for tensor parallel x FSDP2)")
+        for name in ("replicate", "shard"):
+            given = getattr(self, name)
+            need(not given or self.world_size % given == 0,
+                 f"hsdp {name} {given} does not divide the world size {self.world_size}: choose a divisor of {self.world_size}")
+        replicate, shard = self.hsdp_mesh
+        need(replicate * shard == self.world_size,
+             f"hsdp replicate x shard = {replicate} x {shard} = {replicate * shard} does not match the world size "
+             f"{self.world_size}: choose replicate x shard = {self.world_size}")
+
+    @property
+    def hsdp_mesh(self) -> tuple[int, int]:
+        """Strategy hsdp's (replicate, shard) sizes, the ones not given filled in from the world size."""
+        replicate, shard = self.replicate, self.shard
+        if not replicate and not shard:
+            return 1, self.world_size  # torchtitan's defaults: replicate degree 1, the shard degree takes the rest
+        return replicate or self.world_size // shard, shard or self.world_size // replicate
 
     @property
     def dp(self) -> int:

@@ -77,7 +77,7 @@ class Trainer:
         self.save_group = resume.save_group(ctx, cfg)  # saves wait on it, with their own time bound
         self.attempt, self.started, wall_started = attempt, time.perf_counter(), time.time()
         seed_everything(cfg.seed)
-        self.strategy = build_strategy(cfg.strategy, ctx)
+        self.strategy = build_strategy(cfg.strategy, ctx, cfg)
         self.raw_model = build_model(cfg).to(ctx.device)
         self.model = self.strategy.wrap(self.raw_model)
         self.optimizer = self.strategy.build_optimizer(self.raw_model, lr_at(cfg, 0), cfg.weight_decay)
