@@ -271,6 +271,7 @@ class Trainer:
             "param_l2": metrics.state_l2(model_state), "data_sha256": self.data_sha256,
             "optimizer_sha256": metrics.optimizer_sha256(optimizer_state),
             "state_bytes_per_rank": self.strategy.state_bytes(self.model, self.optimizer),
+            "sharding": self.strategy.sharding(self.raw_model),
             "checkpoint_format": cfg.checkpoint_format, "activation_checkpointing": cfg.activation_checkpointing,
             "resumed_from_step": self.resumed_from, "restarts": self.attempt, "config_digest": cfg.digest(),
             "preempted_at_step": self.preemption.stopped_step if self.preemption else None,

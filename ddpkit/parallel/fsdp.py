@@ -105,6 +105,14 @@ class FSDPStrategy(Strategy):
         fully_shard(model, mesh=mesh)  # the root keeps FSDP2's default: backward needs it first
         return model
 
+    def sharding(self, model: torch.nn.Module) -> dict:
+        """The mesh each parameter is sharded over and the placements of the first one, as printed."""
+        mesh = self.mesh()
+        first = next(p for p in model.parameters() if hasattr(p, "placements"))
+        names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
+        return {"mesh": dict(zip(names, mesh.mesh.shape)), "placements": [repr(p) for p in first.placements],
+                "reshard_after_forward": self.reshard_after_forward}
+
     @contextlib.contextmanager
     def _no_sync(self, model: torch.nn.Module):
         model.set_requires_gradient_sync(False)  # gradients accumulate unsharded, no reduce-scatter

@@ -16,7 +16,7 @@ A step: FSDP2 all-gathers a block's slices over dp before its forward (and again
 it, and after its backward FSDP2 reduce-scatters the slices' gradients over dp (averaging the
 replicas' gradients, as DDP's all-reduce does).
 
-**State.** After ``fully_shard`` each parameter is a ``DTensor`` on the dp mesh, ``Shard(0)`` of this
+**State.** After ``fully_shard`` (and :func:`reshard`) each parameter is a ``DTensor`` on the dp mesh, ``Shard(0)`` of this
 rank's tp slice: the local tensor is rows ``[start, stop)`` of the slice, ``torch.chunk``'s split
 (``ceil(rows/dp)`` rows per dp rank, the last ones fewer or none). :func:`shard_chunks` describes
 those rows as chunks of the *unsplit* tensor (:class:`~ddpkit.parallel.chunks.Chunked`), for the
@@ -77,6 +77,16 @@ def shard_chunks(local: torch.Tensor, start: int, slice_shape: tuple[int, ...], 
     return Chunked(full, pieces, local.dtype, local.device)
 
 
+def reshard(model: nn.Module) -> None:
+    """Register every FSDP2 unit's sharded parameters again. A forward without backward (the loss probe a
+    checkpoint records) leaves the root gathered, since the root is not resharded after forward; its
+    registered parameters are then whole plain tensors, not the ``DTensor`` shards the optimizer keys
+    its state by."""
+    for module in model.modules():
+        if hasattr(module, "reshard") and hasattr(module, "unshard"):  # an FSDPModule
+            module.reshard()
+
+
 class FSDPTensorParallelStrategy(HeldState, FSDPStrategy):
     """tp inside each replica, FSDP2 over the dp axis (see the module docstring)."""
 
@@ -132,6 +142,7 @@ class FSDPTensorParallelStrategy(HeldState, FSDPStrategy):
         return [name for name, _ in self.raw.named_parameters()]
 
     def held_state(self, model, optimizer) -> tuple[dict, dict]:
+        reshard(self.raw)
         layout = self._layout()
         model_state = {name: self._chunked(name, p, layout) for name, p in self.raw.named_parameters()}
         if optimizer is None:
