@@ -28,7 +28,7 @@ import warnings
 import torch.distributed as dist
 
 from ddpkit import checkpoint, runtime, state, train
-from ddpkit.config import AMP_MODES, CHECKPOINT_FORMATS, FAIL_MODES, MODELS, SHARDED, STRATEGIES, TrainConfig
+from ddpkit.config import AMP_MODES, CHECKPOINT_FORMATS, FAIL_MODES, MESH_STRATEGIES, MODELS, SHARDED, STRATEGIES, TrainConfig
 from ddpkit.errors import UserError
 from ddpkit.failures import LaunchError, knock_on_line, raised_in_collective
 from ddpkit.launch import MAX_LOCAL_RANKS, launch
@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--amp", choices=AMP_MODES, default=d.amp)
     p.add_argument("--dataset-size", type=int, default=d.dataset_size)
     p.add_argument("--num-workers", type=int, default=d.num_workers)
-    p.add_argument("--strategy", choices=STRATEGIES, default=d.strategy,
+    p.add_argument("--strategy", choices=STRATEGIES + MESH_STRATEGIES, default=d.strategy,
                    help="ddp replicates everything; zero1 / zero1-torch shard the optimizer state; fsdp2 shards all; "
                         "hsdp shards within --shard ranks and replicates across --replicate groups")
     p.add_argument("--replicate", type=int, default=d.replicate, help="hsdp: replica groups (default: world / shard)")

@@ -33,7 +33,8 @@ from ddpkit.parallel.dims import ParallelDims
 MODELS = ("mlp", "gpt")
 AMP_MODES = ("off", "bf16", "fp16")
 FAIL_MODES = ("raise", "exit", "kill", "hang", "slow", "sigterm", "nan", "spike")
-STRATEGIES = ("ddp", "zero1", "zero1-torch", "fsdp2", "hsdp")
+STRATEGIES = ("ddp", "zero1", "zero1-torch", "fsdp2")  # each over the data-parallel axis of the layout
+MESH_STRATEGIES = ("hsdp",)  # over a mesh of its own: compared, measured and tested apart from the ones above
 SHARDED = ("fsdp2", "hsdp")  # the strategies that keep only a shard of each parameter (FSDP2's fully_shard)
 CHECKPOINT_FORMATS = ("full", "dcp")
 MAX_SEED = 2**32 - 1  # numpy's limit; derived seeds (seed x 1,000,003 + epoch) stay inside torch's 64 bits
@@ -201,7 +202,8 @@ class TrainConfig:
         need(self.model in MODELS, f"unknown model {self.model!r}: use one of {', '.join(MODELS)}")
         need(self.amp in AMP_MODES, f"unknown amp mode {self.amp!r}: use one of {', '.join(AMP_MODES)}")
         need(self.fail_mode in FAIL_MODES, f"unknown fail mode {self.fail_mode!r}: use one of {', '.join(FAIL_MODES)}")
-        need(self.strategy in STRATEGIES, f"unknown strategy {self.strategy!r}: use one of {', '.join(STRATEGIES)}")
+        need(self.strategy in STRATEGIES + MESH_STRATEGIES,
+             f"unknown strategy {self.strategy!r}: use one of {', '.join(STRATEGIES + MESH_STRATEGIES)}")
         need(self.checkpoint_format in CHECKPOINT_FORMATS,
              f"unknown checkpoint format {self.checkpoint_format!r}: use one of {', '.join(CHECKPOINT_FORMATS)}")
         need(isinstance(self.activation_checkpointing, bool), "activation-checkpointing must be True or False")

@@ -19,7 +19,7 @@ from ddpkit.train import Trainer
 
 pytestmark = pytest.mark.skipif(not fsdp.cpu_supported(), reason="FSDP2 runs on the CPU from torch 2.7")
 
-MLP = dict(dataset_size=512, input_width=32, hidden_width=64, steps=6, log_every=100, checkpoint_format="dcp")
+MLP = dict(dataset_size=512, steps=6, log_every=100, checkpoint_format="dcp")  # the CLI's default widths
 GPT = dict(model="gpt", dataset_size=512, steps=6, log_every=100, checkpoint_format="dcp")
 LOSS_TOL = 1e-5  # to DDP's, step by step, in the same layout of samples (measured: 0 for hsdp, 2.4e-7 for fsdp2 --tp 2)
 CROSS_TOL = 1e-4  # a resume under another strategy: its reductions add in another order from then on
@@ -27,6 +27,16 @@ CROSS_TOL = 1e-4  # a resume under another strategy: its reductions add in anoth
 
 def run(world: int, **changes) -> dict:
     return launch(train.run, TrainConfig(world_size=world, **changes), world_size=world, output="none")[0]
+
+
+def run_cli(tmp_path, *args: str) -> dict:
+    """``ddpkit train`` in this process (its ranks are spawned as ever), with MLP's or GPT's settings above."""
+    import json
+
+    path = tmp_path / "summary.json"
+    assert cli.main(["train", "--world-size", "4", "--steps", "6", "--dataset-size", "512", "--log-every", "100",
+                     "--summary-json", str(path), *args]) == 0
+    return json.loads(path.read_text())
 
 
 def max_loss_diff(a: dict, b: dict, skip: int = 0) -> float:
@@ -109,7 +119,8 @@ def test_no_reshard_after_forward_keeps_the_blocks_whole_until_backward_and_gath
 def hsdp_runs(tmp_path_factory):
     folder = tmp_path_factory.mktemp("hsdp")
     hsdp = dict(strategy="hsdp", replicate=2, shard=2, **MLP)
-    out = {"ddp": run(4, **MLP), "whole": run(4, **hsdp)}
+    out = {"ddp": run(4, **MLP),  # and the flags through the CLI:
+           "whole": run_cli(folder, "--strategy", "hsdp", "--replicate", "2", "--shard", "2", "--no-reshard-after-forward")}
     run(4, checkpoint_dir=str(folder / "a"), checkpoint_every=3, **{**hsdp, "steps": 3})
     shutil.copytree(folder / "a", folder / "b")
     out["resumed"] = run(4, checkpoint_dir=str(folder / "a"), resume=True, **hsdp)
@@ -125,6 +136,7 @@ def test_hsdp_sees_ddps_samples_and_losses(hsdp_runs):
     assert max_loss_diff(whole, ddp) <= LOSS_TOL
     assert whole["sharding"]["mesh"] == {"replicate": 2, "shard": 2}
     assert whole["sharding"]["placements"] == ["Replicate()", "Shard(dim=0)"]
+    assert whole["sharding"]["reshard_after_forward"] is False and whole["checkpoint_format"] == "dcp"  # the CLI's
 
 
 def test_hsdp_shards_within_a_group_and_all_reduces_across_groups(one_step):
@@ -155,7 +167,8 @@ def test_hsdp_resumes_exactly_and_as_fsdp2_on_another_world(hsdp_runs):
 def tp_runs(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tp")
     two_d = dict(strategy="fsdp2", tp=2, **GPT)
-    out = {"ddp": run(2, **GPT), "whole": run(4, **two_d)}
+    out = {"ddp": run(2, **GPT),  # and the flags through the CLI:
+           "whole": run_cli(folder, "--strategy", "fsdp2", "--tp", "2", "--model", "gpt", "--reshard-after-forward")}
     run(4, checkpoint_dir=str(folder / "a"), checkpoint_every=3, **{**two_d, "steps": 3})
     shutil.copytree(folder / "a", folder / "b")
     # resumed with the blocks kept whole from forward to backward: the numbers must not notice
@@ -169,6 +182,7 @@ def test_fsdp2_with_tp_sees_ddps_samples_and_losses(tp_runs):
     assert whole["dp"] == 2 and whole["tp"] == 2 and whole["data_sha256"] == ddp["data_sha256"]
     assert max_loss_diff(whole, ddp) <= LOSS_TOL
     assert whole["sharding"]["mesh"] == {"dp": 2} and whole["sharding"]["placements"] == ["Shard(dim=0)"]
+    assert whole["sharding"]["reshard_after_forward"] is True and whole["checkpoint_format"] == "dcp"
 
 
 def test_fsdp2_with_tp_holds_a_dp_share_of_each_tp_slice():
@@ -232,22 +246,7 @@ def test_a_row_shard_of_a_fused_tp_slice_is_described_where_it_sits_in_the_whole
     assert torch.equal(row, whole[2:, 2:])
 
 
-# --------------------------------------------------------------------------- through the CLI, and bad input
-
-def test_the_flags_train_through_the_cli(tmp_path, capsys):
-    import json
-
-    for name, args in (("hsdp", ("--strategy", "hsdp", "--replicate", "2", "--shard", "2", "--no-reshard-after-forward")),
-                       ("tp", ("--strategy", "fsdp2", "--tp", "2", "--model", "gpt", "--reshard-after-forward"))):
-        path = tmp_path / f"{name}.json"
-        code = cli.main(["train", "--world-size", "4", "--steps", "2", "--dataset-size", "256", "--log-every", "100",
-                         "--summary-json", str(path), *args])
-        assert code == 0, capsys.readouterr().err
-        summary = json.loads(path.read_text())
-        assert summary["sharding"]["reshard_after_forward"] is (name == "tp")
-        assert summary["checkpoint_format"] == "dcp"  # the sharded strategies' default
-    assert summary["tp"] == 2 and summary["dp"] == 2
-
+# --------------------------------------------------------------------------- bad input
 
 @pytest.mark.parametrize("args, words", [
     (("--strategy", "hsdp", "--world-size", "4", "--replicate", "2", "--shard", "4"), "does not match the world size 4"),
