@@ -28,6 +28,7 @@ import math
 import os
 from dataclasses import dataclass, field
 
+from ddpkit.parallel import fsdp_flags
 from ddpkit.parallel.dims import ParallelDims
 
 MODELS = ("mlp", "gpt")
@@ -35,7 +36,7 @@ AMP_MODES = ("off", "bf16", "fp16")
 FAIL_MODES = ("raise", "exit", "kill", "hang", "slow", "sigterm", "nan", "spike")
 STRATEGIES = ("ddp", "zero1", "zero1-torch", "fsdp2")  # each over the data-parallel axis of the layout
 MESH_STRATEGIES = ("hsdp",)  # over a mesh of its own: compared, measured and tested apart from the ones above
-SHARDED = ("fsdp2", "hsdp")  # the strategies that keep only a shard of each parameter (FSDP2's fully_shard)
+SHARDED = fsdp_flags.SHARDED
 CHECKPOINT_FORMATS = ("full", "dcp")
 MAX_SEED = 2**32 - 1  # numpy's limit; derived seeds (seed x 1,000,003 + epoch) stay inside torch's 64 bits
 MAX_WORKERS = 32
@@ -235,7 +236,7 @@ class TrainConfig:
         need(self.tp == 1 or self.strategy in ("ddp", "fsdp2"),
              f"tensor parallelism combines with strategy ddp or fsdp2 across replicas, not {self.strategy}: "
              f"use --strategy ddp or fsdp2")
-        self._check_sharding(need)
+        fsdp_flags.check(self, need)
         need(self.tp == 1 or self.model == "gpt",
              "tensor parallelism splits the GPT's attention heads and MLP: use --model gpt")
         need(self.tp == 1 or (self.n_heads % self.tp == 0 and 4 * self.d_model % self.tp == 0),
@@ -268,35 +269,10 @@ class TrainConfig:
              f"the {self.dataset_size}-sample dataset and the model), more than half of this machine's "
              f"{have_bytes / 2**30:.1f} GiB: lower --dataset-size or the model widths")
 
-    def _check_sharding(self, need) -> None:
-        """The FSDP2 flags: each means something with its strategies only, and hsdp's mesh fills dp."""
-        need(self.reshard_after_forward in (None, True, False), "reshard-after-forward must be True, False or None")
-        need(self.reshard_after_forward is None or self.strategy in SHARDED,
-             f"--reshard-after-forward decides when FSDP2 frees gathered parameters: it means nothing with "
-             f"strategy {self.strategy}: use --strategy fsdp2 or hsdp, or leave it out")
-        need(not (self.replicate or self.shard) or self.strategy == "hsdp",
-             f"--replicate and --shard lay out strategy hsdp's 2-D mesh, not {self.strategy}'s: use --strategy hsdp "
-             f"or leave them out")
-        if self.strategy != "hsdp":
-            return
-        need(self.tp == 1 and self.pp == 1, "strategy hsdp shards over its own 2-D mesh of the whole world: "
-             "leave out --tp and --pp (use --strategy fsdp2 --tp N for tensor parallel x FSDP2)")
-        for name in ("replicate", "shard"):
-            given = getattr(self, name)
-            need(not given or self.world_size % given == 0,
-                 f"hsdp {name} {given} does not divide the world size {self.world_size}: choose a divisor of {self.world_size}")
-        replicate, shard = self.hsdp_mesh
-        need(replicate * shard == self.world_size,
-             f"hsdp replicate x shard = {replicate} x {shard} = {replicate * shard} does not match the world size "
-             f"{self.world_size}: choose replicate x shard = {self.world_size}")
-
     @property
     def hsdp_mesh(self) -> tuple[int, int]:
         """Strategy hsdp's (replicate, shard) sizes, the ones not given filled in from the world size."""
-        replicate, shard = self.replicate, self.shard
-        if not replicate and not shard:
-            return 1, self.world_size  # torchtitan's defaults: replicate degree 1, the shard degree takes the rest
-        return replicate or self.world_size // shard, shard or self.world_size // replicate
+        return fsdp_flags.hsdp_mesh(self.world_size, self.replicate, self.shard)
 
     @property
     def dp(self) -> int:

@@ -266,6 +266,13 @@ def test_bad_flags_are_refused_in_one_line_before_any_rank_starts(tmp_path, monk
     assert "rank" not in out.out and not (tmp_path / "ckpt").exists()
 
 
+def test_hsdp_fills_in_the_size_left_out():
+    from ddpkit.parallel.fsdp_flags import hsdp_mesh
+
+    assert hsdp_mesh(4, 0, 0) == (1, 4) and hsdp_mesh(4, 2, 0) == (2, 2) and hsdp_mesh(8, 0, 2) == (4, 2)
+    assert TrainConfig(world_size=4, strategy="hsdp", shard=2).hsdp_mesh == (2, 2)
+
+
 def test_a_tp_degree_that_does_not_split_the_heads_is_refused():
     with pytest.raises(ValueError, match="must divide the attention heads"):
         TrainConfig(model="gpt", strategy="fsdp2", world_size=8, tp=8, n_heads=4)
