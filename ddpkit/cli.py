@@ -70,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "or keep them until backward (--no-reshard-after-forward: ZeRO-2's parameter memory)")
     p.add_argument("--tp", type=int, default=d.tp, help="tensor-parallel degree (world = dp x tp x pp; with ddp or fsdp2)")
     p.add_argument("--pp", type=int, default=d.pp, help="pipeline-parallel degree")
+    p.add_argument("--cp", type=int, default=d.cp, help="context-parallel degree (the GPT's sequences split; world = dp x cp)")
     p.add_argument("--activation-checkpointing", action="store_true",
                    help="recompute activations in backward instead of storing them")
     p.add_argument("--checkpoint-dir", default=None)

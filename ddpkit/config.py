@@ -108,6 +108,8 @@ class TrainConfig:
     """Tensor-parallel degree: ranks that split each layer (world = dp x tp x pp)."""
     pp: int = runtime(1)
     """Pipeline-parallel degree: ranks that split the layers into stages."""
+    cp: int = runtime(1)
+    """Context-parallel degree: ranks that split every sequence's positions (ring attention; world = dp x cp)."""
     strategy: str = runtime("ddp")
     """How the model, gradients and optimizer state are split across data-parallel ranks: ``ddp``
     (replicate all), ``zero1`` (ours: shard the optimizer state), ``zero1-torch`` (PyTorch's
@@ -211,7 +213,7 @@ class TrainConfig:
         need(not (self.strategy in SHARDED and self.checkpoint_dir and self.checkpoint_format == "full"),
              f"strategy {self.strategy} keeps only a shard of each parameter on every rank: use --checkpoint-format dcp "
              "(every rank writes its own shards)")
-        for name in ("world_size", "tp", "pp", "micro_batch_size", "grad_accum", "dataset_size", "keep_last",
+        for name in ("world_size", "tp", "pp", "cp", "micro_batch_size", "grad_accum", "dataset_size", "keep_last",
                      "input_width", "hidden_width", "num_classes", "vocab_size", "seq_len",
                      "d_model", "n_heads", "n_layers", "log_every"):
             need(getattr(self, name) >= 1, f"{flag(name)} must be >= 1, got {getattr(self, name)}")
@@ -237,6 +239,12 @@ class TrainConfig:
              f"tensor parallelism combines with strategy ddp or fsdp2 across replicas, not {self.strategy}: "
              f"use --strategy ddp or fsdp2")
         fsdp_flags.check(self, need)
+        need(self.cp == 1 or (self.model == "gpt" and self.strategy == "ddp" and self.tp == self.pp == 1),
+             "context parallelism splits the GPT's sequences, with DDP across the rest of the world: use --model gpt "
+             "--strategy ddp, without --tp and --pp")
+        need(self.world_size % (self.cp * self.tp * self.pp) == 0 and self.seq_len % (2 * self.cp) == 0,
+             f"cp {self.cp} must divide the world size ({self.world_size}) and half the sequence length "
+             f"({self.seq_len}): choose a cp that divides both")
         need(self.tp == 1 or self.model == "gpt",
              "tensor parallelism splits the GPT's attention heads and MLP: use --model gpt")
         need(self.tp == 1 or (self.n_heads % self.tp == 0 and 4 * self.d_model % self.tp == 0),
@@ -276,13 +284,13 @@ class TrainConfig:
 
     @property
     def dp(self) -> int:
-        """Data-parallel replicas: world / (tp x pp)."""
-        return self.world_size // (self.tp * self.pp)
+        """Data-parallel replicas: world / (tp x pp x cp)."""
+        return self.world_size // (self.tp * self.pp * self.cp)
 
     @property
     def dims(self) -> ParallelDims:
         """The parallel layout this config asks for."""
-        return ParallelDims.from_world(self.world_size, self.tp, self.pp)
+        return ParallelDims.from_world(self.world_size, self.tp, self.pp, self.cp)
 
     @property
     def global_batch_size(self) -> int:

@@ -265,7 +265,7 @@ class Trainer:
         guard = self.guard.state_dict() if self.guard else {"rollbacks": 0, "skipped_batches": [], "events": []}
         summary = {
             "world_size": ctx.world_size, "backend": ctx.backend, "model": cfg.model, "strategy": cfg.strategy,
-            "dp": ctx.dims.dp, "tp": ctx.dims.tp, "pp": ctx.dims.pp,
+            "dp": ctx.dims.dp, "tp": ctx.dims.tp, "pp": ctx.dims.pp, "cp": ctx.dims.cp,
             "global_batch_size": cfg.global_batch_size, "steps": self.step, "applied_steps": self.applied_steps,
             "losses": self.losses, "param_sha256": metrics.state_sha256(model_state),
             "param_l2": metrics.state_l2(model_state), "data_sha256": self.data_sha256,
