@@ -66,13 +66,14 @@ class ParallelDims:
         return tuple(getattr(self, a) for a in self.axes)
 
     def coords(self, rank: int) -> dict[str, int]:
-        """Where ``rank`` sits on the grid: row-major over (pp, dp, cp, tp), as DeviceMesh lays it out."""
+        """Where ``rank`` sits on the grid, by the mesh's :attr:`axes`: row-major over (pp, dp, [cp,] tp),
+        as DeviceMesh lays it out."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is not in a world of {self.world_size}")
         pp, rest = divmod(rank, self.dp * self.cp * self.tp)
         dp, rest = divmod(rest, self.cp * self.tp)
         cp, tp = divmod(rest, self.tp)
-        return {"pp": pp, "dp": dp, "cp": cp, "tp": tp}
+        return {axis: {"pp": pp, "dp": dp, "cp": cp, "tp": tp}[axis] for axis in self.axes}
 
     def build_mesh(self, device_type: str):
         """The device mesh over the current process group (every rank calls it: it is collective)."""
