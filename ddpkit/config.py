@@ -4,7 +4,7 @@ Two ideas carry the lesson:
 
 * **The global batch is explicit.** ``global_batch_size = micro_batch_size * grad_accum * dp``, where
   ``dp`` is the number of data-parallel replicas (the world size, until tensor or pipeline parallelism
-  splits it: ``world = dp x tp x pp``). Each optimizer step averages gradients over exactly that many
+  splits it: ``world = dp x cp x tp x pp``). Each optimizer step averages gradients over exactly that many
   samples, whatever the topology; so 2 ranks x 8, or 1 rank x 8 x accumulation 2, or 1 rank x 16 train
   the same model.
 * **A digest names the training trajectory.** It is a sha256 over the sorted JSON of the fields that
