@@ -28,7 +28,8 @@ import warnings
 import torch.distributed as dist
 
 from ddpkit import checkpoint, runtime, state, train
-from ddpkit.config import AMP_MODES, CHECKPOINT_FORMATS, FAIL_MODES, MODELS, PP_SCHEDULES, STRATEGIES, TrainConfig
+from ddpkit.config import (AMP_MODES, CHECKPOINT_FORMATS, FAIL_MODES, MESH_STRATEGIES, MODELS, PP_SCHEDULES, SHARDED,
+                           STRATEGIES, TrainConfig)
 from ddpkit.errors import UserError
 from ddpkit.failures import LaunchError, knock_on_line, raised_in_collective
 from ddpkit.launch import MAX_LOCAL_RANKS, launch
@@ -60,12 +61,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--amp", choices=AMP_MODES, default=d.amp)
     p.add_argument("--dataset-size", type=int, default=d.dataset_size)
     p.add_argument("--num-workers", type=int, default=d.num_workers)
-    p.add_argument("--strategy", choices=STRATEGIES, default=d.strategy,
-                   help="ddp replicates everything; zero1 / zero1-torch shard the optimizer state; fsdp2 shards all")
-    p.add_argument("--tp", type=int, default=d.tp, help="tensor-parallel degree (world = dp x tp x pp)")
+    p.add_argument("--strategy", choices=STRATEGIES + MESH_STRATEGIES, default=d.strategy,
+                   help="ddp replicates everything; zero1 / zero1-torch shard the optimizer state; fsdp2 shards all; "
+                        "hsdp shards within --shard ranks and replicates across --replicate groups")
+    p.add_argument("--replicate", type=int, default=d.replicate, help="hsdp: replica groups (default: world / shard)")
+    p.add_argument("--shard", type=int, default=d.shard, help="hsdp: ranks per shard group (default: world / replicate)")
+    p.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=d.reshard_after_forward,
+                   help="fsdp2/hsdp: free each block's gathered parameters after forward (ZeRO-3, FSDP2's default) "
+                        "or keep them until backward (--no-reshard-after-forward: ZeRO-2's parameter memory)")
+    p.add_argument("--tp", type=int, default=d.tp, help="tensor-parallel degree (world = dp x tp x pp; with ddp or fsdp2)")
     p.add_argument("--pp", type=int, default=d.pp, help="pipeline-parallel degree")
     p.add_argument("--pp-schedule", default=d.pp_schedule, metavar="|".join(PP_SCHEDULES),
                    help="pipeline schedule (zero-bubble: ZB-H1, the weight gradients deferred)")
+    p.add_argument("--cp", type=int, default=d.cp, help="context-parallel degree (the GPT's sequences split; world = dp x cp)")
     p.add_argument("--activation-checkpointing", action="store_true",
                    help="recompute activations in backward instead of storing them")
     p.add_argument("--checkpoint-dir", default=None)
@@ -132,14 +140,14 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 def default_checkpoint_format(args: argparse.Namespace) -> str:
     """No --checkpoint-format given: a resume keeps the format of the checkpoint it resumes; a new run
-    uses dcp for fsdp2 (which can only save shards) and full otherwise."""
+    uses dcp for fsdp2 and hsdp (which can only save shards) and full otherwise."""
     if args.resume and args.checkpoint_dir:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             newest = checkpoint.latest_good(args.checkpoint_dir, deep=False)
         if newest is not None:
             return checkpoint.read_manifest(newest).get("writer", "full")
-    return "dcp" if args.strategy == "fsdp2" else "full"
+    return "dcp" if args.strategy in SHARDED else "full"
 
 
 def check_writable(path: str | None, what: str) -> None:
@@ -166,7 +174,7 @@ def check_before_launch(cfg: TrainConfig, attempt: int = 0) -> None:
                              f"{os.path.join(cfg.summary_json, 'summary.json')}")
         check_writable(os.path.dirname(os.path.abspath(cfg.summary_json)), "--summary-json folder")
     backend = runtime.resolve_backend(cfg.backend, int(os.environ.get("LOCAL_WORLD_SIZE", cfg.world_size)))
-    if cfg.strategy == "fsdp2":
+    if cfg.strategy in SHARDED:
         from ddpkit.parallel.fsdp import check_supported
 
         check_supported("cpu" if backend == "gloo" else "cuda")

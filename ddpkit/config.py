@@ -4,7 +4,7 @@ Two ideas carry the lesson:
 
 * **The global batch is explicit.** ``global_batch_size = micro_batch_size * grad_accum * dp``, where
   ``dp`` is the number of data-parallel replicas (the world size, until tensor or pipeline parallelism
-  splits it: ``world = dp x tp x pp``). Each optimizer step averages gradients over exactly that many
+  splits it: ``world = dp x cp x tp x pp``). Each optimizer step averages gradients over exactly that many
   samples, whatever the topology; so 2 ranks x 8, or 1 rank x 8 x accumulation 2, or 1 rank x 16 train
   the same model.
 * **A digest names the training trajectory.** It is a sha256 over the sorted JSON of the fields that
@@ -28,12 +28,15 @@ import math
 import os
 from dataclasses import dataclass, field
 
+from ddpkit.parallel import fsdp_flags
 from ddpkit.parallel.dims import ParallelDims
 
 MODELS = ("mlp", "gpt")
 AMP_MODES = ("off", "bf16", "fp16")
 FAIL_MODES = ("raise", "exit", "kill", "hang", "slow", "sigterm", "nan", "spike")
-STRATEGIES = ("ddp", "zero1", "zero1-torch", "fsdp2")
+STRATEGIES = ("ddp", "zero1", "zero1-torch", "fsdp2")  # each over the data-parallel axis of the layout
+MESH_STRATEGIES = ("hsdp",)  # over a mesh of its own: compared, measured and tested apart from the ones above
+SHARDED = fsdp_flags.SHARDED
 PP_SCHEDULES = ("1f1b", "gpipe", "zero-bubble")  # the trainer's, one stage per rank
 PP_NOTEBOOK_ONLY = ("interleaved", "zbv")  # several stages per rank: torch.distributed.pipelining, notebook 13
 CHECKPOINT_FORMATS = ("full", "dcp")
@@ -110,10 +113,23 @@ class TrainConfig:
     pp_schedule: str = runtime("1f1b")
     """The pipeline's schedule: ``1f1b``, ``gpipe`` or ``zero-bubble`` (ZB-H1: the backward split into its
     input-gradient and weight-gradient parts, the weight parts run later). Same gradients, same numbers."""
+    cp: int = runtime(1)
+    """Context-parallel degree: ranks that split every sequence's positions (ring attention; world = dp x cp)."""
     strategy: str = runtime("ddp")
     """How the model, gradients and optimizer state are split across data-parallel ranks: ``ddp``
     (replicate all), ``zero1`` (ours: shard the optimizer state), ``zero1-torch`` (PyTorch's
-    ZeroRedundancyOptimizer) or ``fsdp2`` (shard parameters, gradients and optimizer state)."""
+    ZeroRedundancyOptimizer), ``fsdp2`` (shard parameters, gradients and optimizer state; with ``tp`` > 1
+    each shard is of a tensor-parallel slice) or ``hsdp`` (fsdp2 within groups of ``shard`` ranks,
+    replicated across ``replicate`` such groups)."""
+    replicate: int = runtime(0)
+    """Strategy hsdp: the replica groups, the outer axis of its 2-D mesh (0: world / shard)."""
+    shard: int = runtime(0)
+    """Strategy hsdp: the ranks each parameter is sharded over, the inner axis (0: world / replicate, or
+    the whole world when neither is given)."""
+    reshard_after_forward: bool | None = runtime(None)
+    """Strategies fsdp2 and hsdp: True frees each block's gathered parameters after its forward and
+    gathers them again in backward (ZeRO-3); False keeps them from forward to backward (ZeRO-2's
+    memory for the parameters, no all-gather in backward); None is FSDP2's own default (True)."""
     activation_checkpointing: bool = runtime(False)
     """Recompute each block's activations in backward instead of keeping them (same numbers, less
     memory, more compute)."""
@@ -194,18 +210,19 @@ class TrainConfig:
         need(self.model in MODELS, f"unknown model {self.model!r}: use one of {', '.join(MODELS)}")
         need(self.amp in AMP_MODES, f"unknown amp mode {self.amp!r}: use one of {', '.join(AMP_MODES)}")
         need(self.fail_mode in FAIL_MODES, f"unknown fail mode {self.fail_mode!r}: use one of {', '.join(FAIL_MODES)}")
-        need(self.strategy in STRATEGIES, f"unknown strategy {self.strategy!r}: use one of {', '.join(STRATEGIES)}")
+        need(self.strategy in STRATEGIES + MESH_STRATEGIES,
+             f"unknown strategy {self.strategy!r}: use one of {', '.join(STRATEGIES + MESH_STRATEGIES)}")
         need(self.checkpoint_format in CHECKPOINT_FORMATS,
              f"unknown checkpoint format {self.checkpoint_format!r}: use one of {', '.join(CHECKPOINT_FORMATS)}")
         need(isinstance(self.activation_checkpointing, bool), "activation-checkpointing must be True or False")
-        need(not (self.strategy == "fsdp2" and self.checkpoint_dir and self.checkpoint_format == "full"),
-             "strategy fsdp2 keeps only a shard of each parameter on every rank: use --checkpoint-format dcp "
+        need(not (self.strategy in SHARDED and self.checkpoint_dir and self.checkpoint_format == "full"),
+             f"strategy {self.strategy} keeps only a shard of each parameter on every rank: use --checkpoint-format dcp "
              "(every rank writes its own shards)")
-        for name in ("world_size", "tp", "pp", "micro_batch_size", "grad_accum", "dataset_size", "keep_last",
+        for name in ("world_size", "tp", "pp", "cp", "micro_batch_size", "grad_accum", "dataset_size", "keep_last",
                      "input_width", "hidden_width", "num_classes", "vocab_size", "seq_len",
                      "d_model", "n_heads", "n_layers", "log_every"):
             need(getattr(self, name) >= 1, f"{flag(name)} must be >= 1, got {getattr(self, name)}")
-        for name in ("steps", "warmup_steps", "checkpoint_every", "max_restarts", "num_workers"):
+        for name in ("steps", "warmup_steps", "checkpoint_every", "max_restarts", "num_workers", "replicate", "shard"):
             need(getattr(self, name) >= 0, f"{flag(name)} must be >= 0, got {getattr(self, name)}")
         need(0 <= self.seed <= MAX_SEED, f"seed must be in 0 .. {MAX_SEED}, got {self.seed}")
         need(0 < self.lr <= 1, f"lr must be in (0, 1], got {self.lr}")
@@ -223,8 +240,16 @@ class TrainConfig:
         need(self.world_size % (self.tp * self.pp) == 0,
              f"world size {self.world_size} is not divisible by tp x pp = {self.tp} x {self.pp}: use a world size "
              f"that is a multiple of {self.tp * self.pp}")
-        need(self.tp == 1 or self.strategy == "ddp",
-             f"tensor parallelism combines with strategy ddp across replicas, not {self.strategy}: use --strategy ddp")
+        need(self.tp == 1 or self.strategy in ("ddp", "fsdp2"),
+             f"tensor parallelism combines with strategy ddp or fsdp2 across replicas, not {self.strategy}: "
+             f"use --strategy ddp or fsdp2")
+        fsdp_flags.check(self, need)
+        need(self.cp == 1 or (self.model == "gpt" and self.strategy == "ddp" and self.tp == self.pp == 1),
+             "context parallelism splits the GPT's sequences, with DDP across the rest of the world: use --model gpt "
+             "--strategy ddp, without --tp and --pp")
+        need(self.world_size % (self.cp * self.tp * self.pp) == 0 and self.seq_len % (2 * self.cp) == 0,
+             f"cp {self.cp} must divide the world size ({self.world_size}) and half the sequence length "
+             f"({self.seq_len}): choose a cp that divides both")
         need(self.tp == 1 or self.model == "gpt",
              "tensor parallelism splits the GPT's attention heads and MLP: use --model gpt")
         need(self.tp == 1 or (self.n_heads % self.tp == 0 and 4 * self.d_model % self.tp == 0),
@@ -263,14 +288,19 @@ class TrainConfig:
              f"{have_bytes / 2**30:.1f} GiB: lower --dataset-size or the model widths")
 
     @property
+    def hsdp_mesh(self) -> tuple[int, int]:
+        """Strategy hsdp's (replicate, shard) sizes, the ones not given filled in from the world size."""
+        return fsdp_flags.hsdp_mesh(self.world_size, self.replicate, self.shard)
+
+    @property
     def dp(self) -> int:
-        """Data-parallel replicas: world / (tp x pp)."""
-        return self.world_size // (self.tp * self.pp)
+        """Data-parallel replicas: world / (tp x pp x cp)."""
+        return self.world_size // (self.tp * self.pp * self.cp)
 
     @property
     def dims(self) -> ParallelDims:
         """The parallel layout this config asks for."""
-        return ParallelDims.from_world(self.world_size, self.tp, self.pp)
+        return ParallelDims.from_world(self.world_size, self.tp, self.pp, self.cp)
 
     @property
     def global_batch_size(self) -> int:

@@ -77,7 +77,7 @@ class Trainer:
         self.save_group = resume.save_group(ctx, cfg)  # saves wait on it, with their own time bound
         self.attempt, self.started, wall_started = attempt, time.perf_counter(), time.time()
         seed_everything(cfg.seed)
-        self.strategy = build_strategy(cfg.strategy, ctx)
+        self.strategy = build_strategy(cfg.strategy, ctx, cfg)
         if ctx.dims.pp > 1:
             self.strategy.schedule_name = cfg.pp_schedule
         self.raw_model = build_model(cfg).to(ctx.device)
@@ -267,12 +267,13 @@ class Trainer:
         guard = self.guard.state_dict() if self.guard else {"rollbacks": 0, "skipped_batches": [], "events": []}
         summary = {
             "world_size": ctx.world_size, "backend": ctx.backend, "model": cfg.model, "strategy": cfg.strategy,
-            "dp": ctx.dims.dp, "tp": ctx.dims.tp, "pp": ctx.dims.pp,
+            "dp": ctx.dims.dp, "tp": ctx.dims.tp, "pp": ctx.dims.pp, "cp": ctx.dims.cp,
             "global_batch_size": cfg.global_batch_size, "steps": self.step, "applied_steps": self.applied_steps,
             "losses": self.losses, "param_sha256": metrics.state_sha256(model_state),
             "param_l2": metrics.state_l2(model_state), "data_sha256": self.data_sha256,
             "optimizer_sha256": metrics.optimizer_sha256(optimizer_state),
             "state_bytes_per_rank": self.strategy.state_bytes(self.model, self.optimizer),
+            "sharding": self.strategy.sharding(self.raw_model),
             "checkpoint_format": cfg.checkpoint_format, "activation_checkpointing": cfg.activation_checkpointing,
             "resumed_from_step": self.resumed_from, "restarts": self.attempt, "config_digest": cfg.digest(),
             "preempted_at_step": self.preemption.stopped_step if self.preemption else None,

@@ -31,7 +31,7 @@ from ddpkit.config import TrainConfig, learned
     (dict(steps="40"), "steps must be a whole number"),
     (dict(world_size=4, tp=3), "not divisible by tp x pp"),
     (dict(world_size=4, tp=2), "use --model gpt"),
-    (dict(world_size=4, tp=2, model="gpt", strategy="fsdp2"), "combines with strategy ddp"),
+    (dict(world_size=4, tp=2, model="gpt", strategy="zero1"), "combines with strategy ddp or fsdp2"),
     (dict(world_size=6, tp=3, model="gpt"), "must divide the attention heads"),
     (dict(world_size=4, pp=2), "cuts the GPT's blocks into stages: use --model gpt"),
     (dict(world_size=4, pp=2, model="gpt", strategy="zero1"), "combines with strategy ddp"),

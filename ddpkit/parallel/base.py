@@ -148,6 +148,10 @@ class Strategy:
         else:
             set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
 
+    def sharding(self, model: torch.nn.Module) -> dict | None:
+        """How FSDP2 lays the parameters out (its mesh, a parameter's placements), or None where it does not."""
+        return None
+
     grad_bytes = 0
     """Bytes of gradients this rank held in its first step (they have the same shapes every step)."""
 

@@ -17,7 +17,22 @@ computes, so the peak holds the root, the current block and the next one.
 The price is communication: parameters are gathered in forward and again in backward, about 1.5x
 DDP's bytes. That communication runs inside FSDP2's own hooks, so the trainer's ``comm_s`` (which a
 DDP comm hook or ZeRO's optimizer measures) reads 0 here: the time is counted in ``forward_s`` and
-``backward_s``. ``fully_shard`` lives in ``torch.distributed.fsdp`` from torch 2.6 and in
+``backward_s``.
+
+Two knobs of ``fully_shard`` reach the trainer:
+
+* ``reshard_after_forward`` (``--reshard-after-forward`` / ``--no-reshard-after-forward``), given to
+  every block: True frees a block's gathered parameters after its forward and gathers them again in
+  backward (ZeRO stage 3); False keeps them gathered until its backward is done, so backward gathers
+  nothing and the step holds every block's whole parameters at once (the parameter memory of ZeRO
+  stage 2). Left out, FSDP2's default applies (True for the blocks). The numbers computed are the
+  same either way: only when parameters are gathered changes.
+* a 2-D mesh (:class:`HSDPStrategy`, ``--strategy hsdp``): "parameters are sharded across the 1st dim
+  and replicated across the 0th dim (HSDP) with ``(Replicate(), Shard(0))`` placement" (``fully_shard``'s
+  docstring). Gradients are reduce-scattered within a shard group, then all-reduced across the replica
+  groups; the all-gathers stay inside a shard group (on a cluster: one node's fast links).
+
+``fully_shard`` lives in ``torch.distributed.fsdp`` from torch 2.6 and in
 ``torch.distributed._composable.fsdp`` before; both are the same FSDP2. On the CPU (gloo) it runs
 from torch 2.7: before, it needs CUDA streams (2.5: "FSDP requires CUDA for streams"; 2.6 fails on a
 CPU stream), so there :func:`check_supported` refuses it with that reason before anything starts.
@@ -32,6 +47,7 @@ import torch
 
 from ddpkit.errors import UserError
 from ddpkit.parallel.base import Strategy
+from ddpkit.runtime import RankContext
 
 MIN_CPU_TORCH = (2, 7)  # the first release whose FSDP2 runs on CPU tensors (checked: 2.6 fails, 2.7.1 works)
 
@@ -71,14 +87,31 @@ class FSDPStrategy(Strategy):
 
     name = "fsdp2"
 
+    def __init__(self, ctx: RankContext | None = None, reshard_after_forward: bool | None = None) -> None:
+        super().__init__(ctx)
+        self.reshard_after_forward = reshard_after_forward
+
+    def mesh(self):
+        """The mesh ``fully_shard`` shards over: the layout's dp axis."""
+        return self.ctx.mesh["dp"] if self.ctx.mesh is not None else None
+
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         check_supported(self.ctx.device.type)
         fully_shard = fully_shard_fn()
-        mesh = self.ctx.mesh["dp"] if self.ctx.mesh is not None else None
+        mesh = self.mesh()
+        unit_options = {} if self.reshard_after_forward is None else {"reshard_after_forward": self.reshard_after_forward}
         for unit in shard_units(model):
-            fully_shard(unit, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+            fully_shard(unit, mesh=mesh, **unit_options)
+        fully_shard(model, mesh=mesh)  # the root keeps FSDP2's default: backward needs it first
         return model
+
+    def sharding(self, model: torch.nn.Module) -> dict:
+        """The mesh each parameter is sharded over and the placements of the first one, as printed."""
+        mesh = self.mesh()
+        first = next(p for p in model.parameters() if hasattr(p, "placements"))
+        names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
+        return {"mesh": dict(zip(names, mesh.mesh.shape)), "placements": [repr(p) for p in first.placements],
+                "reshard_after_forward": self.reshard_after_forward}
 
     @contextlib.contextmanager
     def _no_sync(self, model: torch.nn.Module):
@@ -98,3 +131,29 @@ class FSDPStrategy(Strategy):
     def clip_grad_norm_(self, model: torch.nn.Module, max_norm: float) -> torch.Tensor:
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)  # sums squares over shards
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+
+class HSDPStrategy(FSDPStrategy):
+    """FSDP2 on a 2-D ``(replicate, shard)`` mesh of the whole world: shard within a group of ``shard``
+    consecutive ranks, replicate across ``replicate`` groups (see the module docstring). Each rank still
+    sees its own samples: its data-parallel rank is its world rank, as under DDP."""
+
+    name = "hsdp"
+
+    def __init__(self, ctx: RankContext | None = None, reshard_after_forward: bool | None = None,
+                 replicate: int = 1, shard: int | None = None) -> None:
+        super().__init__(ctx, reshard_after_forward)
+        self.replicate = replicate
+        self.shard = shard if shard is not None else (ctx.world_size // replicate if ctx else 1)
+        self._mesh = None
+
+    def mesh(self):
+        if self._mesh is None:  # collective: every rank builds it, in wrap
+            from torch.distributed.device_mesh import init_device_mesh
+
+            if self.replicate * self.shard != self.ctx.world_size:
+                raise ValueError(f"hsdp replicate x shard = {self.replicate} x {self.shard} does not match the "
+                                 f"world size {self.ctx.world_size}")
+            self._mesh = init_device_mesh(self.ctx.device.type, (self.replicate, self.shard),
+                                          mesh_dim_names=("replicate", "shard"))
+        return self._mesh
