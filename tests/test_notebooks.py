@@ -331,12 +331,15 @@ def check_18(records):
 
 
 def check_20(records):
-    assert all(records["without_help"][case] for case in ("op", "shape", "dtype"))
+    seen = records["without_help"]
+    assert all("Timed out" in seen["op"][r] for r in ("0", "1")) and "SIGABRT" not in seen["op"]["0"]
+    assert all("SIGABRT" in seen[case]["0"] and "SIGABRT" not in seen[case]["1"] for case in ("shape", "dtype"))
     assert set(records["detail"]["cases"]) == {"op", "shape", "dtype"} and records["detail"]["control_ok"]
     fr = records["flight"]
     assert fr["culprits"] == [1] and fr["differing"] == {"1": "gloo:broadcast"} and fr["raw_keys"] == [""]
     skipped = records["skipped"]
     assert skipped["stalled_rank"] == 1 and skipped["missing"] == [1] and skipped["summary_names_rank"]
+    assert skipped["report_names_rank"]
     assert skipped["issued"]["0"] == skipped["issued"]["1"] + 1
     samplers = records["samplers"]
     assert samplers["duplicates"] > 0 and samplers["fixed_ok"]
