@@ -181,3 +181,22 @@ def test_ddp_hides_communication_behind_backward_and_a_loop_after_backward_does_
     assert {"c10d::allreduce_", "gloo:all_reduce"} <= names
     merged = json.load(open(timeline.merge_traces(paths["ddp"], str(tmp_path / "ddp.trace.json"))))
     assert {e["args"]["name"] for e in merged["traceEvents"] if e.get("name") == "process_name"} == {"rank 0", "rank 1"}
+
+
+# --- DDP's buckets: the first-bucket rule, checked against the buckets DDP builds -------------------------------
+
+from ddpkit.debug import buckets  # noqa: E402
+
+
+def test_planned_sizes_close_a_bucket_once_it_reaches_its_limit():
+    assert buckets.planned_sizes([3, 3, 3, 3, 1], cap_bytes=5, first_cap_bytes=2) == [3, 6, 4]
+    assert buckets.planned_sizes([3, 3, 3, 3, 1], cap_bytes=5, first_cap_bytes=5) == [6, 6, 1]
+
+
+def test_ddp_builds_the_buckets_the_first_bucket_rule_predicts():
+    default, half, set_25 = launch(buckets.built_buckets, [None, 0.5, 25], world_size=2, output="none")[0]
+    for row in (default, half, set_25):
+        assert row["first_iteration"] == [row["param_bytes"]] and row["built"] == row["planned"], row
+    assert len(default["built"]) == 2 and len(half["built"]) == 3 and len(set_25["built"]) == 1
+    # negative control: the same prediction without the first-bucket rule misses DDP's default buckets
+    assert default["planned_without_first_rule"] != default["built"]

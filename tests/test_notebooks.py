@@ -350,7 +350,10 @@ def check_20(records):
     assert swap["norms equal"] and not swap["hashes equal"]
     timeline = records["timeline"]
     assert max(timeline["after_backward"]) == 0.0 and max(timeline["ddp"]) > 0.02
-    assert len(records["playbook"]) == 8 and all(records["playbook"].values())
+    assert len(records["playbook"]) == 9 and all(records["playbook"].values())
+    built = records["buckets"]
+    assert all(b["built"] == b["planned"] for b in built.values())
+    assert len(built["None"]["built"]) == 2 and len(built["25"]["built"]) == 1 and built["None"]["first_cap"] == 2**20
 
 
 def check_10b(records):
