@@ -147,7 +147,8 @@ def launch(fn: Callable[..., Any], *args: Any, world_size: int | None = None, ba
         if log_dir is None:  # kept for the error report; the oldest failed ones go
             write_atomic(os.path.join(run_dir, "FAILED"), b"")
             prune_failed_logs()
-        raise LaunchError.from_failures(failures, log_dir=run_dir, flight_summary=_flight_summary(run_dir, failures))
+        raise LaunchError.from_failures(failures, log_dir=run_dir,
+                                        flight_summary=_flight_summary(run_dir, failures, world_size))
     results = [read_result(run_dir, rank) for rank in range(world_size)]
     if log_dir is None:
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -264,13 +265,13 @@ def _run_as_external_rank(fn, args, kwargs, world_size, backend, timeout) -> lis
             runtime.destroy_process_group()
 
 
-def _flight_summary(run_dir: str, failures: list[Any]) -> str:
+def _flight_summary(run_dir: str, failures: list[Any], world_size: int) -> str:
     """For a stall: what the ranks' Flight Recorder dumps say (see the module docstring); else "".
     Never raises: the report of the failure matters more than the summary of its evidence."""
     if pick_root_cause(failures).kind != "stalled" or not flight.has_dumps(run_dir):
         return ""
     try:
-        return flight.stall_summary(run_dir)
+        return flight.stall_summary(run_dir, ranks=list(range(world_size)))
     except Exception as exc:  # noqa: BLE001
         return f"flight recorder: no analysis ({type(exc).__name__}: {exc})"
 

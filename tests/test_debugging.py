@@ -200,3 +200,9 @@ def test_ddp_builds_the_buckets_the_first_bucket_rule_predicts():
     assert len(default["built"]) == 2 and len(half["built"]) == 3 and len(set_25["built"]) == 1
     # negative control: the same prediction without the first-bucket rule misses DDP's default buckets
     assert default["planned_without_first_rule"] != default["built"]
+
+
+def test_a_stall_summary_names_the_ranks_that_left_no_ring(tmp_path):
+    flight.dump(str(tmp_path), 0)  # this process's (empty) ring stands for rank 0's
+    assert "no ring from rank(s) [1]" in flight.stall_summary(str(tmp_path), ranks=[0, 1])
+    assert "no ring" not in flight.stall_summary(str(tmp_path), ranks=[0])  # control: every rank dumped

@@ -270,10 +270,20 @@ def _findings_only(report: str) -> str:
     return "\n".join(line for line in report.splitlines() if not line.startswith("tabulate is not installed"))
 
 
-def stall_summary(folder: str, max_chars: int = 400) -> str:
-    """A few lines for a stall report: the analyzer's finding on the dumps in ``folder``, or why there is none."""
+def stall_summary(folder: str, max_chars: int = 400, ranks: list[int] | None = None) -> str:
+    """A few lines for a stall report: the analyzer's finding on the dumps in ``folder``, or why there is none.
+
+    ``ranks``: every rank of the job. When some left no dump (a rank blocked inside a C++ call cannot run
+    the Python handler that dumps it), the rings of the others cannot say who is missing from what: the
+    summary names the silent ranks and counts the others' collectives instead."""
     try:
-        text = analyze(folder).describe()
+        dumps = read_dumps(folder)
+        silent = sorted(set(ranks or ()) - set(dumps))
+        if silent:
+            text = (f"flight recorder: no ring from rank(s) {silent} (blocked inside a C++ call?); collectives "
+                    f"issued per rank: {({r: len(d['entries']) for r, d in dumps.items()})}")
+        else:
+            text = analyze(folder).describe()
     except (OSError, KeyError, ValueError, AssertionError, pickle.UnpicklingError) as exc:
         text = f"flight recorder: no analysis ({type(exc).__name__}: {exc})"
     return text if len(text) <= max_chars else text[: max_chars - 3] + "..."
