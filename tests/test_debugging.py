@@ -49,11 +49,15 @@ def test_torchfrtrace_reads_the_fixed_dumps_and_not_the_raw_ones(tmp_path):
     with flight.recording():
         mismatch.outcome(mismatch.mismatched_collective, "op", False, 1.0, 1, str(raw_dir), world_size=3, timeout=1.0)
     fixed = flight.write_fixed(str(raw_dir), str(tmp_path / "fixed"))
-    cli = [sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace"]
-    good = subprocess.run([*cli, fixed], capture_output=True, text=True, timeout=120)
-    assert good.returncode == 0 and "Culprit rank 1" in good.stdout + good.stderr
-    bad = subprocess.run([*cli, str(raw_dir)], capture_output=True, text=True, timeout=120)
-    assert bad.returncode != 0 and "KeyError" in bad.stderr  # control: gloo's raw table
+    # torchfrtrace's entry point (fr_trace:main) on both folders, in one interpreter: torch is imported once
+    script = ("import sys, traceback\nfrom torch.distributed.flight_recorder.fr_trace import main\n"
+              "main([sys.argv[1]])\nfor out in (sys.stdout, sys.stderr): print('=== raw', file=out, flush=True)\n"
+              "try:\n    main([sys.argv[2]])\nexcept Exception:\n    traceback.print_exc()\n    sys.exit(3)\n")
+    run = subprocess.run([sys.executable, "-c", script, fixed, str(raw_dir)], capture_output=True, text=True, timeout=120)
+    assert "=== raw" in run.stdout, run.stderr  # the fixed dumps were analyzed without an error
+    (good_out, bad_out), (good_err, bad_err) = run.stdout.split("=== raw"), run.stderr.split("=== raw")
+    assert "Culprit rank 1" in good_out + good_err
+    assert run.returncode == 3 and "KeyError" in bad_err  # control: gloo's raw table
 
 
 @needs_fr
