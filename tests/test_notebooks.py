@@ -332,7 +332,7 @@ def check_18(records):
 
 def check_20(records):
     seen = records["without_help"]
-    assert all("Timed out" in seen["op"][r] for r in ("0", "1")) and "SIGABRT" not in seen["op"]["0"]
+    assert any("Timed out" in seen["op"][r] for r in ("0", "1")) and not any("SIGABRT" in seen["op"][r] for r in ("0", "1"))
     assert all("SIGABRT" in seen[case]["0"] and "SIGABRT" not in seen[case]["1"] for case in ("shape", "dtype"))
     assert set(records["detail"]["cases"]) == {"op", "shape", "dtype"} and records["detail"]["control_ok"]
     fr = records["flight"]
