@@ -12,6 +12,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _common  # noqa: E402
 import async_save  # noqa: E402
+import bucket_sweep  # noqa: E402
 import checkpoint_cost  # noqa: E402
 import collectives  # noqa: E402
 import launch_latency  # noqa: E402
@@ -40,6 +41,7 @@ def main() -> None:
     recovery.main(repeats=1 if quick else 3)
     sharding_memory.main(steps=2 if quick else 3)
     async_save.main(repeats=1 if quick else 3)
+    bucket_sweep.main(steps=8 if quick else 30)
     pipeline_bubble.main(micro_counts=(2, 8) if quick else (2, 4, 8, 16), repeats=1 if quick else 2)
     print(report.write_report(_common.RESULTS, readme=None if args.results else report.README))
 

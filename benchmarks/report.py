@@ -47,8 +47,12 @@ def table_rows(r: dict[str, dict]) -> list[list[str]]:
                      f"{o['paired_ratio_median']:.2f}x ({o['ratio_without_comm_timing']:.2f}x without the comm-timing hook)",
                      f"<= {o['target_ratio']}x"])
         w = r["trainer_overhead"]["weak_scaling"]
+        parts = ""
+        if "efficiency_meeting_each_step" in w:  # where the rest goes, measured side by side in the same run
+            parts = (f" (no communication {w['efficiency_without_comm']:.2f}, meeting each step "
+                     f"{w['efficiency_meeting_each_step']:.2f})")
         rows.append(["weak scaling, 2 ranks vs 1, compute-bound MLP", f"{w['two_ranks_samples_per_s']:,.0f} samples/s",
-                     f"1 rank {w['one_rank_samples_per_s']:,.0f} samples/s", f"efficiency {w['efficiency']:.2f}",
+                     f"1 rank {w['one_rank_samples_per_s']:,.0f} samples/s", f"efficiency {w['efficiency']:.2f}{parts}",
                      f">= {w['target_efficiency']}"])
     if "launch_latency" in r:
         l2, l4 = r["launch_latency"]["world_2"], r["launch_latency"]["world_4"]
@@ -104,6 +108,13 @@ def table_rows(r: dict[str, dict]) -> list[list[str]]:
                      f"every {cad['seconds']['every']:.2f} s: {cad['seconds']['worst_lost_s']:.2f} s",
                      f"every {cad['steps']['every']} steps: {cad['steps']['worst_lost_s']:.2f} s",
                      f"{r['recovery']['worst_lost_ratio_seconds_over_steps']:.2f}x", "report"])
+    if "bucket_sweep" in r:
+        b = r["bucket_sweep"]
+        cells = ", ".join(f"{row['bucket_cap_mb']}: {row['step_over_one_bucket']:.2f}x" for row in b["rows"])
+        one = next(row for row in b["rows"] if row["buckets"] == 1)
+        rows.append([f"DDP step vs `bucket_cap_mb` (MiB, step time over one bucket's), 2 ranks, {b['model']}",
+                     f"best {b['best_cap_mb']} MiB: {_ms(next(x for x in b['rows'] if x['bucket_cap_mb'] == b['best_cap_mb'])['step']['median_s'])}",
+                     f"one bucket ({one['bucket_cap_mb']} MiB) {_ms(one['step']['median_s'])}", cells, "report"])
     if "pipeline_bubble" in r:
         p = r["pipeline_bubble"]
         last = [row for row in p["rows"] if row["micro_batches"] == max(x["micro_batches"] for x in p["rows"])]
@@ -176,6 +187,14 @@ def plots(r: dict[str, dict], out_dir: str) -> list[tuple[str, str]]:
                     "o-", label=f"{name}, measured")
         ax.set_xscale("log", base=2); ax.set_xlabel("micro-batches"); ax.set_ylabel("bubble"); ax.legend(fontsize=7)
         save(fig, "pipeline_bubble", "Pipeline bubble, measured vs predicted")
+    if "bucket_sweep" in r:
+        b = r["bucket_sweep"]["rows"]
+        fig, ax = plt.subplots(figsize=(6, 3))
+        labels = [f"{row['bucket_cap_mb']}\n({row['buckets']} b.)" for row in b]
+        ax.bar(range(len(b)), [row["step_over_one_bucket"] for row in b], color="#3182bd", label="step time / one bucket's")
+        ax.plot(range(len(b)), [sum(row["overlapped_fraction"]) / 2 for row in b], "o", color="#fd8d3c", label="overlapped fraction (mean of ranks)")
+        ax.set_xticks(range(len(b)), labels, fontsize=7); ax.set_xlabel("bucket_cap_mb (buckets)"); ax.legend(fontsize=7)
+        save(fig, "bucket_sweep", "DDP step time and overlap against bucket_cap_mb")
     if "recovery" in r:
         rec = r["recovery"]["recovery_median"]
         fig, ax = plt.subplots(figsize=(6, 2.5))

@@ -6,11 +6,18 @@ PyTorch DDP tutorial writes:
 a DataLoader over a ``DistributedSampler``, forward, backward, clip, AdamW, and an ``all_reduce`` of the
 loss to log a global value. Same model, same data, world 2. Target: <= 1.02x.
 Also weak scaling on a compute-bound MLP: 2 ranks x 1 thread against 1 rank x 1 thread. Target >= 90%.
+Measured side by side in one launch of 2 ranks, in rounds of four blocks: rank 0 alone (rank 1 waits
+in a barrier, so rank 0 has a core to itself, as a 1-rank job would), both ranks training without any
+communication (what sharing the machine costs: two cores' memory bandwidth and caches, other users),
+both meeting in a barrier after each backward (what waiting every step for the slower rank costs), and
+both training with DDP (what the all-reduce's bytes add on top). A profiled DDP step says how much of
+the all-reduce was exposed.
 """
 
 import os
 import statistics
 import sys
+import tempfile
 import time
 import unittest.mock
 
@@ -23,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import summarize, write_results  # noqa: E402
 
 from ddpkit.config import TrainConfig  # noqa: E402
+from ddpkit.debug import timeline  # noqa: E402
 from ddpkit.launch import launch  # noqa: E402
 from ddpkit.metrics import CommTimer  # noqa: E402
 from ddpkit.models import build_model, loss_fn  # noqa: E402
@@ -85,18 +93,82 @@ def overhead(ctx, cfg, steps, warmup):
     return {name: values[warmup:] for name, values in times.items()}
 
 
-def throughput(ctx, cfg, steps):
-    model = DDP(build_model(cfg)) if ctx.world_size > 1 else build_model(cfg)
-    opt = torch.optim.AdamW(model.parameters())
-    x = torch.randn(cfg.micro_batch_size, cfg.input_width)
-    y = torch.randint(0, cfg.num_classes, (cfg.micro_batch_size,))
-    for i in range(steps + 3):
-        if i == 3:
-            start = time.perf_counter()
-        loss_fn(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
-    return cfg.micro_batch_size * steps / (time.perf_counter() - start)
+def op_counts(ctx, cfg, steps: int, warmup: int = 20) -> dict:
+    """Operators per step of each variant, from ``torch.profiler`` (counts, not times: a count does not
+    depend on how loaded the machine is). Where the variants run the same operators, the trainer's extra
+    time is Python around them (hooks, timers, bookkeeping), not extra tensor work."""
+    cfg = cfg.replace(steps=3 * (steps + warmup))
+    variants = {"ddpkit": build_trainer(ctx, cfg).run_step,
+                "ddpkit_without_comm_timing": build_trainer(ctx, cfg, measure_comm=False).run_step,
+                "hand_written": HandWritten(ctx, cfg).step}
+    for _ in range(warmup):
+        for step in variants.values():
+            step()
+    counts = {}
+    for name, step in variants.items():
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            for _ in range(steps):
+                step()
+        counts[name] = {e.key: e.count / steps for e in prof.key_averages()}
+    return counts
+
+
+def main_trace(steps: int = 20) -> dict:
+    """``python benchmarks/trainer_overhead.py --trace``: the operators that differ between the variants."""
+    cfg = TrainConfig(world_size=2, micro_batch_size=32, dataset_size=4096, log_every=10**6)
+    counts = launch(op_counts, cfg, steps, world_size=2, output="none")[0]
+    names = sorted(set().union(*counts.values()))
+    differ = {k: {v: counts[v].get(k, 0.0) for v in counts} for k in names if len({counts[v].get(k, 0.0) for v in counts}) > 1}
+    same = sum(1 for k in names if k not in differ)
+    return write_results("trainer_overhead_trace", {
+        "ops_that_differ_per_step": differ, "ops_the_same": same, "loadavg_1_5_15": [round(v, 2) for v in os.getloadavg()],
+        "note": f"rank 0, {steps} profiled steps of each variant (world 2, MLP 256-512-512-8, micro-batch 32) after a "
+                "warm-up; operator counts per step, which do not depend on the machine's load"})
+
+
+def weak_scaling(ctx, cfg, rounds: int, steps: int) -> dict:
+    """Samples/s of each block, per round (see the module docstring); rank 0's ``solo`` only."""
+    plain, ddp = build_model(cfg), DDP(build_model(cfg), process_group=ctx.world_group)
+    opts = {id(plain): torch.optim.AdamW(plain.parameters()), id(ddp): torch.optim.AdamW(ddp.parameters())}
+    x = torch.randn(cfg.micro_batch_size, cfg.input_width, generator=torch.Generator().manual_seed(ctx.rank))
+    y = torch.randint(0, cfg.num_classes, (cfg.micro_batch_size,), generator=torch.Generator().manual_seed(ctx.rank))
+
+    def run(model, n, meet=False):
+        started = time.perf_counter()
+        for _ in range(n):
+            loss_fn(model(x), y).backward()
+            if meet:  # the ranks meet after every step, as DDP's all-reduce makes them, without its bytes
+                dist.barrier(group=ctx.world_group)
+            opts[id(model)].step()
+            opts[id(model)].zero_grad()
+        return cfg.micro_batch_size * n / (time.perf_counter() - started)
+
+    run(plain, 3), run(ddp, 3)  # warm-up (DDP rebuilds its buckets after its first step)
+    out = {"solo": [], "pair_without_comm": [], "pair_meeting_each_step": [], "pair_ddp": []}
+    for _ in range(rounds):
+        dist.barrier(group=ctx.world_group)
+        if ctx.rank == 0:
+            out["solo"].append(run(plain, steps))
+        dist.barrier(group=ctx.world_group)  # rank 1 waits here (blocked on a socket, not spinning)
+        out["pair_without_comm"].append(run(plain, steps))
+        dist.barrier(group=ctx.world_group)
+        out["pair_meeting_each_step"].append(run(plain, steps, meet=True))
+        dist.barrier(group=ctx.world_group)
+        out["pair_ddp"].append(run(ddp, steps))
+    dist.barrier(group=ctx.world_group)
+    with tempfile.TemporaryDirectory() as folder:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            started = time.perf_counter()
+            run(ddp, 3)
+            wall = (time.perf_counter() - started) / 3
+        path = os.path.join(folder, "trace.json")
+        prof.export_chrome_trace(path)
+        spans = timeline.intervals(path)
+    comm = sum(b - a for a, b in spans["comm"]) / 3
+    overlapped = timeline.overlapped_fraction(spans["compute"], spans["comm"])
+    out["profiled_step"] = {"wall_s": wall, "comm_s": comm, "overlapped_fraction": overlapped,
+                            "exposed_comm_s": comm * (1 - overlapped)}
+    return out
 
 
 def main(steps: int = 600, warmup: int = 30) -> dict:
@@ -105,8 +177,15 @@ def main(steps: int = 600, warmup: int = 30) -> dict:
     s = {name: summarize(values) for name, values in runs.items()}
     base = s["hand_written"]["median_s"]
     heavy = TrainConfig(world_size=2, micro_batch_size=256, hidden_width=1024, dataset_size=4096)
-    one = launch(throughput, heavy.replace(world_size=1), 20, world_size=1, output="none")[0]
-    two = sum(launch(throughput, heavy, 20, world_size=2, output="none"))
+    load_before = os.getloadavg()
+    rounds = launch(weak_scaling, heavy, 5, max(5, steps // 60), world_size=2, output="none")
+    load_after = os.getloadavg()
+    one = statistics.median(rounds[0]["solo"])
+    modes = ("pair_without_comm", "pair_meeting_each_step", "pair_ddp")
+    pair = {mode: statistics.median(a + b for a, b in zip(rounds[0][mode], rounds[1][mode])) for mode in modes}
+    per_round = {mode: statistics.median((a + b) / (2 * s) for a, b, s in zip(rounds[0][mode], rounds[1][mode], rounds[0]["solo"]))
+                 for mode in modes}
+    two = pair["pair_ddp"]
     return write_results("trainer_overhead", {
         "step_overhead": {**s, "ratio_median": s["ddpkit"]["median_s"] / base,
                           "ratio_without_comm_timing": s["ddpkit_without_comm_timing"]["median_s"] / base,
@@ -116,10 +195,21 @@ def main(steps: int = 600, warmup: int = 30) -> dict:
                                   "variant in turn in the same ranks, after a warm-up. Without comm timing: DDP's "
                                   "built-in all-reduce instead of the Python hook that measures comm_s"},
         "weak_scaling": {"one_rank_samples_per_s": one, "two_ranks_samples_per_s": two,
-                         "efficiency": two / (2 * one), "target_efficiency": 0.90,
-                         "note": "2 ranks x 1 thread vs 1 rank x 1 thread, compute-bound MLP (hidden 1024, batch 256)"},
+                         "efficiency": per_round["pair_ddp"], "target_efficiency": 0.90,
+                         "efficiency_without_comm": per_round["pair_without_comm"],
+                         "efficiency_meeting_each_step": per_round["pair_meeting_each_step"],
+                         "two_ranks_without_comm_samples_per_s": pair["pair_without_comm"],
+                         "profiled_ddp_step": rounds[0]["profiled_step"],
+                         "loadavg_1_5_15": {"before": [round(v, 2) for v in load_before], "after": [round(v, 2) for v in load_after]},
+                         "note": "2 ranks x 1 thread vs 1 rank x 1 thread, compute-bound MLP (hidden 1024, batch 256); "
+                                 "side by side in one launch, 5 rounds of: rank 0 alone, both without communication, "
+                                 "both meeting after each backward, both with DDP; efficiency = median over rounds of (2 ranks' samples/s) / (2 x rank 0 alone). "
+                                 "efficiency_without_comm: the same with no all-reduce, what sharing the machine costs; "
+                                 "efficiency_meeting_each_step: no all-reduce but a barrier after each backward, what "
+                                 "waiting for the slower rank every step costs; the rest, to efficiency, is the all-reduce. "
+                                 "profiled_ddp_step: rank 0, 3 DDP steps under torch.profiler"},
     })
 
 
 if __name__ == "__main__":
-    main()
+    main_trace() if "--trace" in sys.argv else main()

@@ -174,17 +174,18 @@ class LaunchError(RuntimeError):
     """One or more ranks failed. ``root_cause`` names the rank to look at first."""
 
     def __init__(self, root_cause: RankFailure, others: list[RankFailure] | None = None,
-                 log_dir: str = "") -> None:
+                 log_dir: str = "", flight_summary: str = "") -> None:
         self.root_cause = root_cause
         self.others = list(others or [])
         self.log_dir = log_dir
+        self.flight_summary = flight_summary  # what the ranks' Flight Recorder rings say (a stall), or ""
         super().__init__(self.render())
 
     @classmethod
-    def from_failures(cls, failures: list[RankFailure], log_dir: str = "") -> LaunchError:
+    def from_failures(cls, failures: list[RankFailure], log_dir: str = "", flight_summary: str = "") -> LaunchError:
         root = pick_root_cause(failures)
         others = sorted((f for f in failures if f is not root), key=lambda f: f.rank)
-        return cls(root, others, log_dir)
+        return cls(root, others, log_dir, flight_summary)
 
     @property
     def rank(self) -> int:
@@ -200,6 +201,8 @@ class LaunchError(RuntimeError):
         lines = [self.root_cause.headline()]
         if self.root_cause.traceback:
             lines += ["", self.root_cause.traceback.rstrip()]
+        if self.flight_summary:
+            lines += ["", self.flight_summary]
         knock_on = [f for f in self.others if f.is_knock_on or f.kind == "stalled"]
         also = [f for f in self.others if f not in knock_on and f.kind != "stopped"]
         stopped = [f for f in self.others if f.kind == "stopped"]

@@ -19,7 +19,11 @@ What it does that ``torch.multiprocessing.start_processes`` leaves to you:
   out the store's connect back-off, see ``rank.py``); rank variables are set only inside the ranks; the
   one variable set around process start (``OMP_NUM_THREADS``) is restored; nothing is left running;
 * **failures**: one :class:`~ddpkit.failures.LaunchError` naming the root-cause rank, its exception and
-  traceback, with knock-on failures listed apart; all other ranks are stopped (see ``monitor.py``);
+  traceback, with knock-on failures listed apart; all other ranks are stopped (see ``monitor.py``). A
+  stall report adds what torch's Flight Recorder says: every rank keeps its ring of recent collectives
+  (``TORCH_FR_BUFFER_SIZE``, set in the ranks unless the caller set it; 0 turns it off) and dumps it
+  into the run folder when a collective fails under it or when it is named stalled; torch's analyzer
+  then names the collective the stalled rank did not join (:func:`ddpkit.debug.flight.stall_summary`);
 * **interrupts**: Ctrl-C, or Jupyter's stop button, stops every rank and raises one line,
   ``interrupted: 4 ranks stopped at step 70`` (a ``KeyboardInterrupt``, see ``Monitor.interrupted``),
   instead of each rank's relayed traceback and the monitor's own;
@@ -57,7 +61,8 @@ import torch.multiprocessing as mp
 from ddpkit import progress as progress_view
 from ddpkit import runtime
 from ddpkit.config import check_timeout
-from ddpkit.failures import LaunchError
+from ddpkit.debug import flight
+from ddpkit.failures import LaunchError, pick_root_cause
 from ddpkit.files import write_atomic
 from ddpkit.monitor import Monitor
 from ddpkit.rank import FORK_WARNING, dumps_cpu, rank_main, store_takes_listening_socket
@@ -103,11 +108,12 @@ def launch(fn: Callable[..., Any], *args: Any, world_size: int | None = None, ba
     run_dir = make_run_dir(log_dir)
     listener = rendezvous_listener()
     port = listener.getsockname()[1] if listener is not None else free_port()
+    recording = flight.keep_on(dict(os.environ))  # what each rank will decide (the ranks set the variable)
     spec = dict(world_size=world_size, backend=resolved_backend, port=port, timeout=timeout,
-                run_dir=run_dir, forked=method == "fork",
+                run_dir=run_dir, forked=method == "fork", flight=recording,
                 progress_file=os.path.join(run_dir, "progress.jsonl") if progress_mode != "off" else None)
     display = progress_view.Display(os.path.join(run_dir, "progress.jsonl"), progress_mode, world_size)
-    monitor = Monitor(world_size, run_dir, output, timeout, display)
+    monitor = Monitor(world_size, run_dir, output, timeout, display, flight.DUMP_SIGNAL if recording else None)
     procs: list[Any] = []
     context = mp.get_context(method)
     sys.stdout.flush()
@@ -141,7 +147,8 @@ def launch(fn: Callable[..., Any], *args: Any, world_size: int | None = None, ba
         if log_dir is None:  # kept for the error report; the oldest failed ones go
             write_atomic(os.path.join(run_dir, "FAILED"), b"")
             prune_failed_logs()
-        raise LaunchError.from_failures(failures, log_dir=run_dir)
+        raise LaunchError.from_failures(failures, log_dir=run_dir,
+                                        flight_summary=_flight_summary(run_dir, failures, world_size))
     results = [read_result(run_dir, rank) for rank in range(world_size)]
     if log_dir is None:
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -256,6 +263,17 @@ def _run_as_external_rank(fn, args, kwargs, world_size, backend, timeout) -> lis
     finally:
         if created:
             runtime.destroy_process_group()
+
+
+def _flight_summary(run_dir: str, failures: list[Any], world_size: int) -> str:
+    """For a stall: what the ranks' Flight Recorder dumps say (see the module docstring); else "".
+    Never raises: the report of the failure matters more than the summary of its evidence."""
+    if pick_root_cause(failures).kind != "stalled" or not flight.has_dumps(run_dir):
+        return ""
+    try:
+        return flight.stall_summary(run_dir, ranks=list(range(world_size)))
+    except Exception as exc:  # noqa: BLE001
+        return f"flight recorder: no analysis ({type(exc).__name__}: {exc})"
 
 
 def _stop(procs: list[Any]) -> None:

@@ -11,8 +11,9 @@ The monitor polls every few milliseconds. Each pass it
 * runs the **watchdog**: once a rank has failed, the others get a short window to report their own
   (knock-on) failures; if every failure is knock-on, the ranks still alive are the ones the others
   were waiting for, so they are named *stalled*, their Python stacks are dumped (SIGUSR1 makes
-  faulthandler write them into their logs) and they are stopped. A rank still running long after
-  another finished cleanly is stalled too.
+  faulthandler write them into their logs), so are their Flight Recorder rings when the ranks record
+  (SIGUSR2, see :func:`ddpkit.debug.flight.dump_on_signal`), and they are stopped. A rank still running
+  long after another finished cleanly is stalled too.
 """
 
 from __future__ import annotations
@@ -26,10 +27,13 @@ import sys
 import time
 from typing import Any
 
+from ddpkit.debug.flight import DUMP_PREFIX
 from ddpkit.failures import RankFailure, exit_failure, own_frames
 
 POLL_S = 0.005  # parent poll period: adds at most this much latency to a launch
 KNOCK_ON_WINDOW_S = 1.0  # after the first failure, how long survivors get to report theirs
+STACK_WAIT_S = 0.3  # faulthandler writes a stack at once (from C, on the signal)
+DUMP_WAIT_S = 1.0  # at most this long for a stalled rank's Flight Recorder dump (Python, between bytecodes)
 PARTIAL_SHOW_S = 0.25  # show text without a line end once it has waited this long
 TAIL_BYTES = 16_384  # how much of a dead rank's log to read for its last words
 _LINE_END = re.compile(rb"\r\n|\n|\r")
@@ -38,9 +42,11 @@ _LINE_END = re.compile(rb"\r\n|\n|\r")
 class Monitor:
     """Watches one launch's ranks (see the module docstring)."""
 
-    def __init__(self, world_size: int, run_dir: str, output: str, timeout: float, display: Any = None) -> None:
+    def __init__(self, world_size: int, run_dir: str, output: str, timeout: float, display: Any = None,
+                 dump_signal: int | None = None) -> None:
         self.world_size, self.run_dir, self.output, self.timeout = world_size, run_dir, output, timeout
         self.display = display  # a ddpkit.progress.Display, polled between passes
+        self.dump_signal = dump_signal  # makes a rank dump its Flight Recorder ring; None: ranks do not record
         self.logs: dict[int, Any] = {}
         self.pending: dict[int, tuple[bytes, float, int]] = {}  # rank -> (unended text, last change, bytes shown)
 
@@ -104,9 +110,22 @@ class Monitor:
             mark = self.log_size(rank)
             with contextlib.suppress(ProcessLookupError):
                 os.kill(proc.pid, signal.SIGUSR1)  # faulthandler writes its stack to the log
-            time.sleep(0.3)
+            time.sleep(STACK_WAIT_S)
             stack = own_frames(self.log_tail(rank, mark))
+            if self.dump_signal is not None:
+                self.request_dump(rank, proc)
         return RankFailure(rank, kind, kind, why, stack, time.time())
+
+    def request_dump(self, rank: int, proc: Any) -> bool:
+        """Ask a stalled rank for its Flight Recorder ring and wait (at most ``DUMP_WAIT_S``) until it is
+        written; True when it was. A rank blocked inside a C++ call cannot answer: the report says so."""
+        path = os.path.join(self.run_dir, f"{DUMP_PREFIX}{rank}")
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, self.dump_signal)
+        end = time.monotonic() + DUMP_WAIT_S
+        while not os.path.exists(path) and time.monotonic() < end and proc.exitcode is None:
+            time.sleep(POLL_S)
+        return os.path.exists(path)
 
     def log_size(self, rank: int) -> int:
         with contextlib.suppress(OSError):

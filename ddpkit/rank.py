@@ -4,14 +4,18 @@ A rank process redirects its output to its log file, arranges to die with its pa
 ``r`` of a fresh process group, runs the user's function and leaves one of two files behind for the
 parent: ``rank{r}.result`` (the return value, pickled with every tensor as a CPU copy) or
 ``rank{r}.error.json`` (the exception, its traceback, and whether it was raised inside a collective or
-is a user error). Then it exits with ``os._exit``, after a barrier so that nobody leaves while a peer
-may still be talking to it: no interpreter teardown (which, in a process forked from a notebook
-kernel, would walk the kernel's whole heap), no C++ destructors of a live process group (which can
-abort), no ``atexit`` hooks inherited from the parent.
+is a user error). A rank keeps torch's Flight Recorder on (:func:`ddpkit.debug.flight.keep_on`) and dumps
+its ring of recent collectives to ``fr_rank_{r}`` when a collective fails under it or when the launcher,
+having named it stalled, asks for it (``SIGUSR2``): the launcher's stall report summarizes those dumps. Then it exits with
+``os._exit``, after a barrier so that nobody leaves while a peer may still be talking to it: no
+interpreter teardown (which, in a process forked from a notebook kernel, would walk the kernel's whole
+heap), no C++ destructors of a live process group (which can abort), no ``atexit`` hooks inherited
+from the parent.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import faulthandler
 import io
@@ -29,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from ddpkit import progress, runtime
+from ddpkit.debug import flight
 from ddpkit.errors import UserError
 from ddpkit.failures import knock_on_line, raised_in_collective
 from ddpkit.files import write_atomic
@@ -55,6 +60,9 @@ def rank_main(fn, args, kwargs, rank: int, spec: dict, listener: Any = None) -> 
     os.environ.pop(progress.ENV_FILE, None)
     if rank == 0 and spec.get("progress_file"):
         os.environ[progress.ENV_FILE] = spec["progress_file"]  # the trainer reports its steps there
+    recording = spec.get("flight", False) and flight.keep_on()  # before the first process group
+    if recording:
+        flight.dump_on_signal(run_dir, rank)  # the launcher's request when it names this rank stalled
     try:
         ctx = runtime.RankContext(rank, rank, world_size, world_size, spec["backend"],
                                   runtime.device_for(spec["backend"], rank))
@@ -69,6 +77,9 @@ def rank_main(fn, args, kwargs, rank: int, spec: dict, listener: Any = None) -> 
                   "traceback": traceback.format_exc(), "in_collective": raised_in_collective(exc),
                   "user_error": isinstance(exc, UserError)}
         write_atomic(os.path.join(run_dir, f"rank{rank}.error.json"), json.dumps(record).encode())
+        if record["in_collective"] and recording:  # its ring: which collective it waited in, for the stall report
+            with contextlib.suppress(Exception):
+                flight.dump(run_dir, rank)
         if record["in_collective"]:  # a peer went away: one line; the traceback is in the error record
             sys.stderr.write(f"{knock_on_line(exc)} (traceback: rank{rank}.error.json)\n")
         else:

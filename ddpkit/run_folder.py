@@ -21,7 +21,7 @@ from ddpkit.files import write_atomic
 
 KEEP_FAILED_LOGS = 10  # log folders of failed launches kept in the temp folder, newest first
 LOG_PREFIX = "ddpkit-launch-"
-_OWN_FILE = re.compile(r"^(rank\d+\.(log|result|error\.json)|progress\.jsonl)$")
+_OWN_FILE = re.compile(r"^(rank\d+\.(log|result|error\.json)|progress\.jsonl|fr_rank_\d+)$")
 
 
 def make_run_dir(log_dir: str | None) -> str:

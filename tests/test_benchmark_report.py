@@ -22,7 +22,8 @@ def test_a_report_is_written_with_every_plot_and_no_result_is_invented(tmp_path)
     results = tmp_path / "results"
     shutil.copytree(report.RESULTS, results, ignore=shutil.ignore_patterns("plots", "REPORT.md"))
     text = Path(report.write_report(str(results), readme=None)).read_text()
-    for plot in ("launch_latency", "allreduce_bandwidth", "memory_per_rank", "pipeline_bubble", "recovery", "checkpoint_cost"):
+    for plot in ("launch_latency", "allreduce_bandwidth", "memory_per_rank", "pipeline_bubble", "recovery", "checkpoint_cost",
+                 "bucket_sweep"):
         assert (results / "plots" / f"{plot}.png").stat().st_size > 1000 and f"plots/{plot}.png" in text
     (results / "pipeline_bubble.json").unlink()
     text = Path(report.write_report(str(results), readme=None)).read_text()

@@ -49,11 +49,15 @@ def test_torchfrtrace_reads_the_fixed_dumps_and_not_the_raw_ones(tmp_path):
     with flight.recording():
         mismatch.outcome(mismatch.mismatched_collective, "op", False, 1.0, 1, str(raw_dir), world_size=3, timeout=1.0)
     fixed = flight.write_fixed(str(raw_dir), str(tmp_path / "fixed"))
-    cli = [sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace"]
-    good = subprocess.run([*cli, fixed], capture_output=True, text=True, timeout=120)
-    assert good.returncode == 0 and "Culprit rank 1" in good.stdout + good.stderr
-    bad = subprocess.run([*cli, str(raw_dir)], capture_output=True, text=True, timeout=120)
-    assert bad.returncode != 0 and "KeyError" in bad.stderr  # control: gloo's raw table
+    # torchfrtrace's entry point (fr_trace:main) on both folders, in one interpreter: torch is imported once
+    script = ("import sys, traceback\nfrom torch.distributed.flight_recorder.fr_trace import main\n"
+              "main([sys.argv[1]])\nfor out in (sys.stdout, sys.stderr): print('=== raw', file=out, flush=True)\n"
+              "try:\n    main([sys.argv[2]])\nexcept Exception:\n    traceback.print_exc()\n    sys.exit(3)\n")
+    run = subprocess.run([sys.executable, "-c", script, fixed, str(raw_dir)], capture_output=True, text=True, timeout=120)
+    assert "=== raw" in run.stdout, run.stderr  # the fixed dumps were analyzed without an error
+    (good_out, bad_out), (good_err, bad_err) = run.stdout.split("=== raw"), run.stderr.split("=== raw")
+    assert "Culprit rank 1" in good_out + good_err
+    assert run.returncode == 3 and "KeyError" in bad_err  # control: gloo's raw table
 
 
 @needs_fr
@@ -181,3 +185,28 @@ def test_ddp_hides_communication_behind_backward_and_a_loop_after_backward_does_
     assert {"c10d::allreduce_", "gloo:all_reduce"} <= names
     merged = json.load(open(timeline.merge_traces(paths["ddp"], str(tmp_path / "ddp.trace.json"))))
     assert {e["args"]["name"] for e in merged["traceEvents"] if e.get("name") == "process_name"} == {"rank 0", "rank 1"}
+
+
+# --- DDP's buckets: the first-bucket rule, checked against the buckets DDP builds -------------------------------
+
+from ddpkit.debug import buckets  # noqa: E402
+
+
+def test_planned_sizes_close_a_bucket_once_it_reaches_its_limit():
+    assert buckets.planned_sizes([3, 3, 3, 3, 1], cap_bytes=5, first_cap_bytes=2) == [3, 6, 4]
+    assert buckets.planned_sizes([3, 3, 3, 3, 1], cap_bytes=5, first_cap_bytes=5) == [6, 6, 1]
+
+
+def test_ddp_builds_the_buckets_the_first_bucket_rule_predicts():
+    default, half, set_25 = launch(buckets.built_buckets, [None, 0.5, 25], world_size=2, output="none")[0]
+    for row in (default, half, set_25):
+        assert row["first_iteration"] == [row["param_bytes"]] and row["built"] == row["planned"], row
+    assert len(default["built"]) == 2 and len(half["built"]) == 3 and len(set_25["built"]) == 1
+    # negative control: the same prediction without the first-bucket rule misses DDP's default buckets
+    assert default["planned_without_first_rule"] != default["built"]
+
+
+def test_a_stall_summary_names_the_ranks_that_left_no_ring(tmp_path):
+    flight.dump(str(tmp_path), 0)  # this process's (empty) ring stands for rank 0's
+    assert "no ring from rank(s) [1]" in flight.stall_summary(str(tmp_path), ranks=[0, 1])
+    assert "no ring" not in flight.stall_summary(str(tmp_path), ranks=[0])  # control: every rank dumped

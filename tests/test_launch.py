@@ -527,3 +527,39 @@ def test_interrupting_a_training_cell_shows_one_line_and_leaves_nothing(tmp_path
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=True)
+
+
+# --- the stall report's Flight Recorder summary --------------------------------------------------------------
+
+from ddpkit.debug import flight, mismatch  # noqa: E402
+
+
+def names_the_skipped_collective(report: str) -> bool:
+    """The check: the report names the collective rank 1 never joined, and where its peer called it."""
+    return re.search(r"collective #\d+ \(gloo:all_reduce, called at mismatch\.py:\d+ in skipped_collective\) "
+                     r"disagrees: rank 1 never issued it", report) is not None
+
+
+@pytest.mark.skipif(not flight.available(), reason="this torch cannot dump a gloo Flight Recorder")
+def test_stall_report_names_the_collective_the_stalled_rank_skipped(monkeypatch):
+    """Rank 1 skips one all-reduce in a branch and goes on outside any collective; rank 0 times out.
+    The launcher keeps the recorder on by itself (nothing set here) and the report says which
+    collective rank 1 did not join. Control: with the recorder off, no dumps, no summary."""
+    def stall_report():
+        with pytest.raises(ddpkit.LaunchError) as info:
+            launch(mismatch.skipped_collective, 4, 1, world_size=2, timeout=1.5, output="none")
+        assert info.value.rank == 1 and info.value.root_cause.kind == "stalled"
+        return info.value
+
+    monkeypatch.delenv(flight.ENV, raising=False)
+    monkeypatch.delenv(flight.OLD_ENV, raising=False)
+    started = time.monotonic()
+    report = stall_report()
+    assert names_the_skipped_collective(str(report)), str(report)
+    assert "collectives issued per rank: {0: 4, 1: 3}" in report.flight_summary
+    monkeypatch.setenv(flight.ENV, "0")  # negative control: the recorder off
+    off = stall_report()
+    assert not off.flight_summary and not names_the_skipped_collective(str(off))
+    assert not [n for n in os.listdir(off.log_dir) if n.startswith(flight.DUMP_PREFIX)]
+    assert time.monotonic() - started < 30
+    assert not children()

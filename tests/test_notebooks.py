@@ -345,12 +345,15 @@ def check_18(records):
 
 
 def check_20(records):
-    assert all(records["without_help"][case] for case in ("op", "shape", "dtype"))
+    seen = records["without_help"]
+    assert any("Timed out" in seen["op"][r] for r in ("0", "1")) and not any("SIGABRT" in seen["op"][r] for r in ("0", "1"))
+    assert all("SIGABRT" in seen[case]["0"] and "SIGABRT" not in seen[case]["1"] for case in ("shape", "dtype"))
     assert set(records["detail"]["cases"]) == {"op", "shape", "dtype"} and records["detail"]["control_ok"]
     fr = records["flight"]
     assert fr["culprits"] == [1] and fr["differing"] == {"1": "gloo:broadcast"} and fr["raw_keys"] == [""]
     skipped = records["skipped"]
     assert skipped["stalled_rank"] == 1 and skipped["missing"] == [1] and skipped["summary_names_rank"]
+    assert skipped["report_names_rank"]
     assert skipped["issued"]["0"] == skipped["issued"]["1"] + 1
     samplers = records["samplers"]
     assert samplers["duplicates"] > 0 and samplers["fixed_ok"]
@@ -361,7 +364,10 @@ def check_20(records):
     assert swap["norms equal"] and not swap["hashes equal"]
     timeline = records["timeline"]
     assert max(timeline["after_backward"]) == 0.0 and max(timeline["ddp"]) > 0.02
-    assert len(records["playbook"]) == 8 and all(records["playbook"].values())
+    assert len(records["playbook"]) == 9 and all(records["playbook"].values())
+    built = records["buckets"]
+    assert all(b["built"] == b["planned"] for b in built.values())
+    assert len(built["None"]["built"]) == 2 and len(built["25"]["built"]) == 1 and built["None"]["first_cap"] == 2**20
 
 
 def check_10b(records):

@@ -6,5 +6,7 @@
   and analyzed with torch's own analyzer, which names the culprit rank;
 * :mod:`ddpkit.debug.silent`: bugs that never crash, each caught by a check the kit provides;
 * :mod:`ddpkit.debug.timeline`: ``torch.profiler`` on real DDP ranks, compute and communication on one
-  timeline, and how much of the communication hid behind compute.
+  timeline, and how much of the communication hid behind compute;
+* :mod:`ddpkit.debug.buckets`: how DDP sizes its gradient buckets (``bucket_cap_mb`` and the first-bucket
+  rule), checked against the buckets DDP builds, and a sweep of step time and overlap against the size.
 """

@@ -19,6 +19,10 @@ it creates communicators), so it fails with a ``KeyError`` on gloo dumps as they
 And the analyzer reads dumps with ``pickle.load``; here they are read by an unpickler that accepts
 plain data only.
 
+The launcher uses this module for its stall reports: its ranks keep the recorder on (:func:`keep_on`),
+dump their rings into the run folder when a collective fails under them or when the launcher names them
+stalled (:func:`dump_on_signal`), and the report ends with :func:`stall_summary`.
+
 With two ranks, "the culprit" is a coin toss: the analyzer compares every rank with the first one and
 blames the rank that differs, so with ranks 0 and 1 it blames rank 1 whichever of them is wrong. With
 three or more, the odd one out is the rank that differs from the others.
@@ -41,8 +45,12 @@ import torch
 from ddpkit.files import write_atomic
 
 ENV = "TORCH_FR_BUFFER_SIZE"
+OLD_ENV = "TORCH_NCCL_TRACE_BUFFER_SIZE"  # read too, after ENV (torch's FlightRecorder.hpp)
 DUMP_PREFIX = "fr_rank_"
 DEFAULT_ENTRIES = 2000
+DUMP_SIGNAL = signal.SIGUSR2
+"""What the launcher sends a stalled rank to make it dump its ring (see :func:`dump_on_signal`). Not SIGTERM:
+a trainer's rank takes SIGTERM as a preemption notice (``ddpkit.preemption``)."""
 _LOGGER = "Flight Recorder"  # the analyzer reports through this logger
 
 
@@ -97,6 +105,44 @@ def dump_on_sigterm(folder: str, rank: int) -> None:
         os._exit(128 + signal.SIGTERM)
 
     signal.signal(signal.SIGTERM, handler)
+
+
+def keep_on(environ: dict | None = None) -> bool:
+    """In a rank about to join its process group: keep the recorder on, and say whether it records.
+
+    When neither ``TORCH_FR_BUFFER_SIZE`` nor its older name is set, set the former to torch 2.13's own
+    default (2000 entries), so the ring is on whatever the torch version's default is; a value the user
+    set (0 turns the recorder off) is kept. torch reads it once per process, when the recorder is first
+    used (the ``FlightRecorder`` singleton's constructor), so it must be set before the rank's first
+    process group; a rank forked from a process that had already used one inherits that process's
+    recorder as it was.
+    """
+    environ = os.environ if environ is None else environ
+    if ENV not in environ and OLD_ENV not in environ:
+        environ[ENV] = str(DEFAULT_ENTRIES)
+    value = environ.get(ENV, environ.get(OLD_ENV, "0")).strip()
+    return available() and value.isdigit() and int(value) > 0
+
+
+def dump_on_signal(folder: str, rank: int, signum: int = DUMP_SIGNAL) -> None:
+    """Dump this rank's ring to ``folder`` whenever ``signum`` arrives, and carry on.
+
+    The launcher sends it to a rank it names stalled, before stopping it: a rank outside any collective
+    (evaluating, stuck in a loop, in a sleep) never times out, so it never dumps by itself. Python runs
+    the handler between two bytecodes: a rank blocked inside one C++ call dumps only when the call returns.
+    """
+    def handler(signum, frame):  # noqa: ARG001
+        with contextlib.suppress(Exception):  # a failed dump must not turn into this rank's error
+            dump(folder, rank)
+
+    signal.signal(signum, handler)
+
+
+def has_dumps(folder: str) -> bool:
+    """True when ``folder`` holds at least one rank's dump."""
+    with contextlib.suppress(OSError):
+        return any(n.startswith(DUMP_PREFIX) and n[len(DUMP_PREFIX):].isdigit() for n in os.listdir(folder))
+    return False
 
 
 class _PlainData(pickle.Unpickler):
@@ -160,6 +206,7 @@ class Finding:
     missing: list[int] = field(default_factory=list)  # ranks that never issued it
     issued: dict[int, int] = field(default_factory=dict)  # rank -> collectives in its ring
     report: str = ""  # the analyzer's own text
+    where: str = ""  # the first frame outside torch of a call to that collective, e.g. "train.py:88 in step"
 
     @property
     def culprits(self) -> list[int]:
@@ -170,7 +217,8 @@ class Finding:
             return f"flight recorder: every rank issued the same collectives ({self.issued})"
         what = [f"rank {r} issued {op} ({self.kinds[r]})" for r, op in sorted(self.differing.items())]
         what += [f"rank {r} never issued it" for r in self.missing]
-        return (f"flight recorder: collective #{self.seq} ({self.op}) disagrees: {'; '.join(what)}; "
+        called = f", called at {self.where}" if self.where else ""
+        return (f"flight recorder: collective #{self.seq} ({self.op}{called}) disagrees: {'; '.join(what)}; "
                 f"collectives issued per rank: {self.issued}")
 
 
@@ -197,8 +245,24 @@ def analyze(folder: str) -> Finding:
         return Finding(False, coll.collective_seq_id, coll.collective_name,
                        {r: c.collective_name for r, c in mism.items()},
                        {r: c.type_of_mismatch.state.name if c.type_of_mismatch else "" for r, c in mism.items()},
-                       sorted(coll.missing_ranks or ()), issued, _findings_only(report.getvalue()))
+                       sorted(coll.missing_ranks or ()), issued, _findings_only(report.getvalue()),
+                       _call_site(dumps, coll.collective_seq_id, coll.collective_name,
+                                  set(mism) | set(coll.missing_ranks or ())))
     return Finding(True, issued=issued, report=_findings_only(report.getvalue()))
+
+
+def _call_site(dumps: dict[int, dict], seq: int, op: str, culprits: set[int]) -> str:
+    """Where a rank that is not a culprit issued collective ``seq`` (``op``): its entry's first frame
+    outside torch (each entry keeps the Python stack that issued it)."""
+    torch_dir = os.path.dirname(torch.__file__) + os.sep
+    for rank in sorted(set(dumps) - culprits) or sorted(dumps):
+        for entry in dumps[rank]["entries"]:
+            if entry.get("collective_seq_id") != seq or entry.get("profiling_name") != op:
+                continue
+            for frame in entry.get("frames", []):
+                if not frame["filename"].startswith(torch_dir):
+                    return f"{os.path.basename(frame['filename'])}:{frame['line']} in {frame['name']}"
+    return ""
 
 
 def _findings_only(report: str) -> str:
@@ -206,10 +270,20 @@ def _findings_only(report: str) -> str:
     return "\n".join(line for line in report.splitlines() if not line.startswith("tabulate is not installed"))
 
 
-def stall_summary(folder: str, max_chars: int = 400) -> str:
-    """A few lines for a stall report: the analyzer's finding on the dumps in ``folder``, or why there is none."""
+def stall_summary(folder: str, max_chars: int = 400, ranks: list[int] | None = None) -> str:
+    """A few lines for a stall report: the analyzer's finding on the dumps in ``folder``, or why there is none.
+
+    ``ranks``: every rank of the job. When some left no dump (a rank blocked inside a C++ call cannot run
+    the Python handler that dumps it), the rings of the others cannot say who is missing from what: the
+    summary names the silent ranks and counts the others' collectives instead."""
     try:
-        text = analyze(folder).describe()
+        dumps = read_dumps(folder)
+        silent = sorted(set(ranks or ()) - set(dumps))
+        if silent:
+            text = (f"flight recorder: no ring from rank(s) {silent} (blocked inside a C++ call?); collectives "
+                    f"issued per rank: {({r: len(d['entries']) for r, d in dumps.items()})}")
+        else:
+            text = analyze(folder).describe()
     except (OSError, KeyError, ValueError, AssertionError, pickle.UnpicklingError) as exc:
         text = f"flight recorder: no analysis ({type(exc).__name__}: {exc})"
     return text if len(text) <= max_chars else text[: max_chars - 3] + "..."

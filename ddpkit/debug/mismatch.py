@@ -101,13 +101,14 @@ def skipped_collective(ctx, steps: int, skip_step: int | None, fr_folder: str = 
 
 def outcome(fn, *args, world_size: int = 2, timeout: float = 5.0, **kwargs) -> dict:
     """Launch ``fn(ctx, *args, **kwargs)`` on real ranks and say what a learner would see: the root
-    cause, the other failures, each rank's last log lines (C++ messages are only there), the time."""
+    cause, the other failures, each rank's last log lines (C++ messages are only there), the launcher's
+    Flight Recorder summary of a stall, the time."""
     started = time.monotonic()
     try:
         results = launch(fn, *args, world_size=world_size, timeout=timeout, output="none", kwargs=kwargs)
     except LaunchError as err:
         return {"raised": True, "root": err.root_cause.headline(), "rank": err.rank, "logs": _logs(err.log_dir),
-                "kind": err.root_cause.kind, "stack": err.root_cause.traceback,
+                "kind": err.root_cause.kind, "stack": err.root_cause.traceback, "flight": err.flight_summary,
                 "others": [f.headline() for f in err.others], "seconds": time.monotonic() - started}
     return {"raised": False, "results": results, "seconds": time.monotonic() - started}
 
