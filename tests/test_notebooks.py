@@ -192,8 +192,10 @@ def check_09(records):
 def check_10(records):
     assert records["bytes"]["worst_gap"] < 0.05
     opt, params = records["bytes"]["optimizer"], records["bytes"]["params"]
-    assert opt["zero1"] == 12 * -(-params // 4) and opt.get("fsdp2", 0) < opt["ddp"] / 3
-    assert ("fsdp2" in opt) == fsdp.cpu_supported()  # left out only where this torch cannot run it on the CPU
+    assert opt["zero1"] == 12 * -(-params // 4)
+    if fsdp.cpu_supported():  # FSDP2 runs on the CPU from torch 2.7; where it does, it must have run
+        assert opt["fsdp2"] < opt["ddp"] / 3
+    assert records["bytes"]["zero1_bitwise_2_ranks"] == {"0.0": True, "1.0": False}
     losses = records["losses"]
     assert max(losses.values()) - min(losses.values()) < 1e-5
     ac = records["activation_checkpointing"]
