@@ -1,8 +1,9 @@
 """Every notebook, run again and again while other processes keep every core busy.
 
-``python benchmarks/notebook_soak.py [--runs N] [--notebooks 05 07]`` runs each notebook ``N`` times in a
-fresh kernel (headless: progress as text lines) with one busy-looping process per core beside it, and
-for each run records:
+``python benchmarks/notebook_soak.py [--runs N] [--notebooks 05 07] [--hogs K]`` runs each notebook ``N``
+times in a fresh kernel (headless: progress as text lines) with ``K`` busy-looping processes beside it
+(default: one per core; ``--hogs 0`` when other work already keeps every core busy), and records the
+machine's load average over the soak. For each run it records:
 
 * whether it passed: executed without an error **and** what it recorded passes the same checks as
   ``tests/test_notebooks.py``;
@@ -76,14 +77,14 @@ def run_once(path: Path) -> dict:
         error = f"{type(exc).__name__}: {text[-1500:]}"
     silence, cell = client.longest_silence()
     return {"ok": error is None, "error": error, "wall_s": round(time.monotonic() - started, 1),
-            "longest_silence_s": round(silence, 1), "silent_cell": cell}
+            "longest_silence_s": round(silence, 1), "silent_cell": cell, "load_1min": round(os.getloadavg()[0], 1)}
 
 
-def main(runs: int = 10, notebooks: list[str] | None = None) -> dict:
+def main(runs: int = 10, notebooks: list[str] | None = None, busy: int | None = None) -> dict:
     os.environ["DDPKIT_PROGRESS"] = "text"
     paths = [p for p in sorted((REPO / "notebooks").glob("[0-9][0-9]*_*.ipynb")) if not notebooks or lesson(p) in notebooks]
     stop = mp.Event()
-    hogs = [mp.Process(target=hog, args=(stop,), daemon=True) for _ in range(os.cpu_count() or 1)]
+    hogs = [mp.Process(target=hog, args=(stop,), daemon=True) for _ in range((os.cpu_count() or 1) if busy is None else busy)]
     for h in hogs:
         h.start()
     results = {}
@@ -103,7 +104,9 @@ def main(runs: int = 10, notebooks: list[str] | None = None) -> dict:
             h.join()
     summary = {name: {"passed": sum(r["ok"] for r in rs), "runs": len(rs),
                       "max_wall_s": max(r["wall_s"] for r in rs),
-                      "longest_silence_s": max(r["longest_silence_s"] for r in rs)} for name, rs in results.items()}
+                      "longest_silence_s": max(r["longest_silence_s"] for r in rs),
+                      "load": f"{len(hogs)} busy processes, load average {min(r['load_1min'] for r in rs)}-{max(r['load_1min'] for r in rs)}"}
+               for name, rs in results.items()}
     previous = REPO / "benchmarks" / "results" / "notebook_soak.json"
     if notebooks and previous.exists():  # a run of some notebooks keeps the others' last results
         old = json.loads(previous.read_text())
@@ -116,6 +119,7 @@ def main(runs: int = 10, notebooks: list[str] | None = None) -> dict:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=10)
-    parser.add_argument("--notebooks", nargs="*", help="two-digit prefixes, e.g. 05 07 (default: all)")
+    parser.add_argument("--notebooks", nargs="*", help="lesson prefixes, e.g. 05 07 10b (default: all)")
+    parser.add_argument("--hogs", type=int, default=None, help="busy processes beside the notebook (default: one per core)")
     args = parser.parse_args()
-    main(args.runs, args.notebooks)
+    main(args.runs, args.notebooks, args.hogs)

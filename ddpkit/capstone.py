@@ -28,11 +28,15 @@ from ddpkit import metrics
 from ddpkit.config import TrainConfig
 from ddpkit.hooks import Hook, StepResult
 
-PEAK_TFLOPS = {  # dense bf16 tensor-core peaks from the vendors' data sheets (half the "with sparsity" figure)
-    # (model, variant or None): a device name matches when both are words of it, variants first
-    ("H100", "PCIE"): 756.0, ("H100", "NVL"): 835.0, ("H100", None): 989.0, ("H200", None): 989.0,
-    ("A100", None): 312.0, ("L40S", None): 362.0, ("L40", None): 181.0, ("L4", None): 121.0,
-    ("A10G", None): 125.0, ("T4", None): 65.0, ("V100", None): 125.0,
+PEAK_TFLOPS = {  # dense 16-bit tensor-core peaks from the vendors' data sheets (half the "with sparsity" figure)
+    # (model, variant or None): a device name matches when both are words of it, variants first.
+    # From Ampere on, bf16 and fp16 peaks are the same figure.
+    ("H100", "PCIE"): 756.0, ("H100", "NVL"): 835.0, ("H100", None): 989.0,
+    ("H200", "NVL"): 835.0, ("H200", None): 989.0,
+    ("A100", None): 312.0, ("L40S", None): 362.0, ("L40", None): 181.0, ("L4", None): 121.0, ("A10G", None): 125.0,
+}
+FP16_ONLY_TFLOPS = {  # Turing and Volta have fp16 tensor cores and no bf16 ones: a bf16 run there uses none of this
+    ("T4", None): 65.0, ("V100", None): 125.0,
 }
 
 
@@ -122,20 +126,30 @@ def flops_per_token(cfg: TrainConfig) -> float:
     return 6 * matmul_weights + 12 * L * T * d
 
 
-def peak_tflops(device_name: str) -> float | None:
-    """The dense bf16 peak of a GPU from its name (``torch.cuda.get_device_name``), or None if unknown.
+def peak_tflops(device_name: str, amp: str = "bf16") -> float | None:
+    """The dense tensor-core peak of a GPU for ``amp`` ("bf16" or "fp16"), from its name
+    (``torch.cuda.get_device_name`` or nvidia-smi), or None if unknown or if the GPU has no tensor cores
+    for that dtype (a T4 or V100 running bf16).
 
     Names are matched word by word, never by substring: "NVIDIA L40" is not an L4, "NVIDIA H100 PCIe"
     (HBM2e, 114 SMs) is not the SXM part ("NVIDIA H100 80GB HBM3", 132 SMs), "A100-SXM4-80GB" is an A100.
     """
     words = set(re.findall(r"[A-Z0-9]+", device_name.upper()))
-    return next((tflops for (model, variant), tflops in PEAK_TFLOPS.items()
+    table = {**PEAK_TFLOPS, **FP16_ONLY_TFLOPS} if amp == "fp16" else PEAK_TFLOPS
+    return next((tflops for (model, variant), tflops in table.items()
                  if model in words and (variant is None or variant in words)), None)
 
 
+def amp_for(compute_capability: str) -> str:
+    """The 16-bit dtype a GPU has tensor cores for, from its compute capability ("7.5" for a T4):
+    bf16 from Ampere (8.0) on, fp16 before (fp16 needs the loss scaler; bf16 does not)."""
+    return "bf16" if int(compute_capability.split(".")[0]) >= 8 else "fp16"
+
+
 def mfu(tokens_per_s: float, cfg: TrainConfig, device_name: str, world_size: int) -> float | None:
-    """Model FLOPs utilisation: achieved training FLOP/s over the GPUs' bf16 peak (None for an unknown device)."""
-    peak = peak_tflops(device_name)
+    """Model FLOPs utilisation: achieved training FLOP/s over the GPUs' peak for ``cfg.amp`` (None for an
+    unknown device, or one without tensor cores for that dtype)."""
+    peak = peak_tflops(device_name, cfg.amp)
     if peak is None:
         return None
     return tokens_per_s * flops_per_token(cfg) / (peak * 1e12 * world_size)

@@ -88,7 +88,7 @@ QUESTIONS = [
              "all-gathers the parameters again in backward: about 1.5x DDP's traffic (the ZeRO paper's 3 Psi vs 2 Psi)."),
     Question("bf16", "seed 003", "Why bf16 over fp16? What is loss scaling for?",
              "bf16 has fp32's 8-bit exponent: its range matches fp32's, so nothing overflows at fp16's 65,504 and "
-             "small gradients rarely underflow (rarely, not never: below ~1e-38 they still flush), which is why bf16 "
+             "small gradients rarely underflow (rarely, not never: below ~1e-38 they become subnormal and lose precision, and kernels that flush subnormals to zero drop them), which is why bf16 "
              "training usually runs without a loss scaler. Its price is precision: 8 significant bits (7 stored), "
              "about 3 decimal digits, so 1 + 1e-3 rounds to 1; that is why the master weights, the optimizer's update "
              "and reductions stay in fp32. fp16 has 11 significant bits but a 5-bit exponent: the *loss* is multiplied "

@@ -61,10 +61,23 @@ def test_continuations_follow_the_model_and_count_agreement_with_the_chain():
 @pytest.mark.parametrize("name, peak", [
     ("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H100 PCIe", 756.0), ("NVIDIA H100 NVL", 835.0),
     ("NVIDIA L40", 181.0), ("NVIDIA L40S", 362.0), ("NVIDIA L4", 121.0), ("NVIDIA A100-SXM4-80GB", 312.0),
-    ("NVIDIA GH200 480GB", None),
+    ("NVIDIA GH200 480GB", None), ("NVIDIA H200 NVL", 835.0), ("NVIDIA H200", 989.0),
 ])
 def test_gpu_names_match_their_own_peak_word_by_word(name, peak):
     """A substring match would give the PCIe H100 the SXM peak and the L40 the L4's."""
     cfg = capstone.capstone_config()
     achieved = 100e12 / capstone.flops_per_token(cfg)  # tokens/s at 100 TFLOP/s
     assert capstone.mfu(achieved, cfg, name, 1) == (pytest.approx(100 / peak) if peak else None)
+
+
+def test_gpus_without_bf16_tensor_cores_have_no_bf16_peak_and_their_fp16_one():
+    """A T4 (Colab's free GPU) or V100 has fp16 tensor cores only: MFU of a bf16 run there against the
+    fp16 peak would mislead, so there is none; an fp16 run is measured against it."""
+    cfg = capstone.capstone_config()
+    for name, peak, capability in (("Tesla T4", 65.0, "7.5"), ("Tesla V100-SXM2-16GB", 125.0, "7.0")):
+        assert capstone.peak_tflops(name, "bf16") is None and capstone.peak_tflops(name, "fp16") == peak
+        assert capstone.amp_for(capability) == "fp16"
+        assert capstone.mfu(1e12 / capstone.flops_per_token(cfg), cfg.replace(amp="bf16"), name, 1) is None
+        assert capstone.mfu(1e12 / capstone.flops_per_token(cfg), cfg.replace(amp="fp16"), name, 1) == pytest.approx(1 / peak)
+    assert capstone.amp_for("8.0") == capstone.amp_for("9.0") == "bf16"
+    assert capstone.peak_tflops("NVIDIA A100-SXM4-80GB", "fp16") == capstone.peak_tflops("NVIDIA A100-SXM4-80GB", "bf16")

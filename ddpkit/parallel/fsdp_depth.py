@@ -314,4 +314,10 @@ def lost_update(weight: float = 1.0, update: float = 2.0 ** -9, steps: int = 100
         bf16 = bf16 + torch.tensor(update, dtype=torch.bfloat16)
         fp32 = fp32 + update
     return {"weight": weight, "update": update, "steps": steps, "bf16": bf16.item(), "fp32": fp32.item(),
-            "bf16_spacing": (torch.finfo(torch.bfloat16).eps * weight)}
+            "bf16_spacing": bf16_spacing(weight)}
+
+
+def bf16_spacing(weight: float) -> float:
+    """The gap from ``weight`` to the next larger bf16 number, measured with ``torch.nextafter``."""
+    here = torch.tensor(weight, dtype=torch.bfloat16)
+    return (torch.nextafter(here, torch.tensor(float("inf"), dtype=torch.bfloat16)) - here).item()
