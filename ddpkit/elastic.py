@@ -34,8 +34,9 @@ import sys
 import time
 
 MEMBERSHIP_LOG = "elastic.jsonl"
-# small timeouts for one machine: a round closes 1 s after the minimum joined; a silent node is dropped after 2 s
-RDZV_CONF = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=2,join_timeout=60"
+# short timeouts for one machine: a round closes 1 s after the minimum joined; a node silent for 4 s is dropped
+# (shorter risks dropping a live agent whose heartbeat thread a busy machine delayed: then it forms a job of its own)
+RDZV_CONF = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=4,join_timeout=60"
 
 
 def accumulation(global_batch_size: int, micro_batch_size: int, world_size: int) -> int:

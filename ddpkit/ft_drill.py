@@ -6,7 +6,9 @@ point, restarts it once the survivor has trained a few steps alone, and reads bo
 summary: the steps the survivor committed (every step number once, in order: nothing committed is
 lost), the attempts it did not commit (their weights unchanged), the steps it trained alone, the time
 the failure cost it, the step and weights the restarted replica healed to, and the final weights of
-both. :func:`run_drills` runs several drills at once (each with its own lighthouse), to share the
+both. The replacement for the killed replica is started at the beginning with Python and torch loaded
+and joins when released (``--wait-for``), as a spare machine standing by would: so the drill decides
+when it joins, and a busy machine's seconds of ``import torch`` are not counted in its join time. :func:`run_drills` runs several drills at once (each with its own lighthouse), to share the
 seconds that starting Python and importing torch cost.
 
 The lighthouse's ``heartbeat_timeout_ms`` is how long a silent replica group counts as alive: the
@@ -51,7 +53,8 @@ def _alone(events: list[dict]) -> int:
 
 
 def run_drill(workdir: str, *, die_mode: str = "between", die_at_step: int = 6, steps: int = 14, heal: bool = True,
-              restart: bool = True, alone_steps: int = 4, timeout_s: float = 180.0, show=print, name: str = "") -> dict:
+              restart: bool = True, alone_steps: int = 4, ignore_commit: bool = False, timeout_s: float = 300.0,
+              show=print, name: str = "") -> dict:
     """One drill: replica 1 dies at ``die_at_step`` (``die_mode``), replica 0 goes on; with ``restart`` a new
     replica 1 starts once replica 0 committed ``alone_steps`` steps alone, and both train to ``steps``."""
     if not available():
@@ -67,14 +70,24 @@ def run_drill(workdir: str, *, die_mode: str = "between", die_at_step: int = 6, 
     # without healing a restarted replica never catches up (it stays behind the survivor's step, so it never
     # takes part): then the survivor ends alone and the restarted replica stops after its first quorum
     together = restart and heal
-    ends = ["--steps", str(steps), "--end-replicas", "2" if together else "1", "--run-timeout", str(timeout_s)]
+    ends = ["--steps", str(steps), "--end-replicas", "2" if together else "1", "--run-timeout", str(timeout_s),
+            *(["--ignore-commit"] if ignore_commit else [])]
     prefix = f"[{name}] " if name else ""
     procs: list[subprocess.Popen] = []
-    started, restart_launched, said = time.time(), None, set()
+    started, restart_launched, said, last_line = time.time(), None, set(), [time.monotonic()]
+
+    def say(line: str) -> None:
+        last_line[0] = time.monotonic()
+        show(line)
+
     try:
         procs.append(_start(workdir, 0, 0, lighthouse.address(), ["--gate", gate, *ends]))
         procs.append(_start(workdir, 1, 0, lighthouse.address(), ["--gate", gate, *ends, "--die-mode", die_mode,
                                                                  "--die-at-step", str(die_at_step)]))
+        release = os.path.join(workdir, "release-replacement")
+        if restart:  # the replacement starts warm now and joins when released (see the module docstring)
+            procs.append(_start(workdir, 1, 1, lighthouse.address(), [*ends, "--wait-for", release,
+                                                                     *([] if heal else ["--no-heal", "--exit-after-join"])]))
         deadline = time.monotonic() + timeout_s
         while any(p.poll() is None for p in procs):
             if time.monotonic() > deadline:
@@ -83,16 +96,20 @@ def run_drill(workdir: str, *, die_mode: str = "between", die_at_step: int = 6, 
             died = next((e for e in other if e["event"] == "dying"), None)
             if died and "dying" not in said:
                 said.add("dying")
-                show(f"{prefix}replica 1 SIGKILLed itself at step {died['step']}, {died['where']}")
+                say(f"{prefix}replica 1 SIGKILLed itself at step {died['step']}, {died['where']}")
             if died and _alone(survivor) and "alone" not in said:
                 said.add("alone")
                 first = next(e for e in survivor if e["event"] == "step" and e["participants"] == 1)
-                show(f"{prefix}replica 0 trains alone from step {first['step']}, "
+                say(f"{prefix}replica 0 trains alone from step {first['step']}, "
                      f"{first['time'] - died['time']:.1f} s after the death")
-            if restart and restart_launched is None and procs[1].poll() is not None and _alone(survivor) >= alone_steps:
+            ready = _alone(survivor) >= alone_steps or procs[0].poll() is not None
+            if restart and restart_launched is None and procs[1].poll() is not None and ready:
                 restart_launched = time.time()
-                show(f"{prefix}restarting replica 1 ({'it heals from replica 0' if heal else 'healing turned off'})")
-                procs.append(_start(workdir, 1, 1, lighthouse.address(), [*ends, *([] if heal else ["--no-heal", "--exit-after-join"])]))
+                say(f"{prefix}replica 1's replacement joins ({'it heals from replica 0' if heal else 'healing turned off'})")
+                open(release, "w").close()
+            if time.monotonic() - last_line[0] > 5:  # never silent for long: where replica 0 is
+                at = max((e["step"] for e in survivor if e["event"] == "step"), default=None)
+                say(f"{prefix}... replica 0 " + ("starting" if at is None else f"at step {at}"))
             time.sleep(0.05)
         codes = [p.returncode for p in procs]
     finally:
@@ -136,11 +153,12 @@ def summarize(survivor: list[dict], other: list[dict], restart_launched: float |
     joins = [e for e in other if e["event"] == "joined"]
     if restart_launched is not None and len(joins) == 2:
         healed = joins[1]
+        at_join = max(e["step"] for e in committed if e["time"] <= healed["time"])
         summary.update({
             "joined_step": healed["step"],
-            # a healed replica holds the survivor's weights after the step before the one it joins at
-            "heal_bitwise": healed["sha"] == survivor_sha.get(healed["step"] - 1),
-            "survivor_step_at_join": max(e["step"] for e in steps if e["time"] <= healed["time"]) + 1,
+            "survivor_step_at_join": at_join + 1,
+            # healed: the weights the survivor had when the restarted replica joined, bit for bit
+            "heal_bitwise": healed["sha"] == survivor_sha[at_join],
             "restart_to_join_s": healed["time"] - restart_launched,
             "back_after_s": healed["time"] - died["time"],
         })

@@ -103,6 +103,12 @@ def wait_for_gate(gate_dir: str, replica: int, replicas: int, timeout_s: float) 
 def train(args: argparse.Namespace) -> None:
     from torchft import Manager, ProcessGroupGloo
 
+    if args.wait_for:  # a spare started warm: Python and torch are loaded, it joins when told
+        deadline = time.monotonic() + args.run_timeout
+        while not os.path.exists(args.wait_for):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"replica {args.replica_id}: not released within {args.run_timeout:.0f} s")
+            time.sleep(0.02)
     log = EventLog(args.log, args.replica_id)
     model = make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)  # momentum: state a heal must carry
@@ -144,7 +150,7 @@ def train(args: argparse.Namespace) -> None:
                     die(log, step, "between two gradients' all-reduces")
                 manager.allreduce(param.grad).wait()  # one at a time: the failure point is exact
             committed = manager.should_commit()
-            if committed:
+            if committed or args.ignore_commit:
                 optimizer.step()
             after = param_sha256(model)
             log.write("step", step=step, committed=committed, participants=participants, loss=loss.item(),
@@ -176,6 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--die-at-step", type=int, default=-1)
     p.add_argument("--die-mode", choices=("none", "between", "allreduce"), default="none")
     p.add_argument("--no-heal", action="store_true", help="never receive a live peer's state (the negative control)")
+    p.add_argument("--ignore-commit", action="store_true", help="step even when should_commit() says no (the negative control)")
+    p.add_argument("--wait-for", default="", help="start warm: wait until this file exists, then join")
     p.add_argument("--exit-after-join", action="store_true", help="stop after the first quorum (to inspect a join)")
     p.add_argument("--gate", default="", help="folder where the first replicas wait for each other")
     p.add_argument("--timeout", type=float, default=5.0, help="seconds for a collective, an RPC, a heal")
