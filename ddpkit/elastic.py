@@ -1,12 +1,13 @@
-"""Elastic membership with torchrun: a job that shrinks when a node is lost and grows back when it returns.
+"""Elastic membership with torchrun: a job that goes on with fewer nodes when one is lost, same batch, same samples.
 
 ``torchrun --nnodes 1:2`` runs one *agent* per node; the agents meet at a rendezvous (here ``c10d``: a
-TCPStore hosted by the first agent) and agree on the members of each **round**. When a worker fails (its
+TCPStore hosted by one of the agents) and agree on the members of each **round**. When a worker fails (its
 peer's node died in the middle of an all-reduce), its agent stops its workers and starts a new round
 (``--max-restarts`` counts these); a round completes with any number of agents between the minimum and
 the maximum, once ``last_call_timeout`` has passed after the minimum joined. When an agent joins a job
 that is already running, the running agents see it waiting (``num_nodes_waiting``), stop their workers
-and start a new round with it: a scale-up, which does not count as a restart. Every round restarts
+and start a new round with it: a scale-up, which does not count as a restart (``torch/distributed/elastic/agent/server/api.py``,
+``_invoke_run``). Every round restarts
 **every** worker, which then resumes from the newest checkpoint: the steps after it are done again.
 
 Two things keep training the same through these changes, and this module provides the first:

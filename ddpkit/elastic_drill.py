@@ -1,10 +1,10 @@
-"""Two torchrun agents as two "nodes" on this machine: lose one, go on with one, grow back to two.
+"""Two torchrun agents as two "nodes" on this machine: lose one, and the job goes on with the other.
 
-:func:`run_elastic` starts agent A (it hosts the c10d rendezvous store), then agent B, each with one
+:func:`run_elastic` starts agent A (it hosts the c10d rendezvous store) and agent B, each with one
 worker (:mod:`ddpkit.elastic` around ``ddpkit train``, checkpointing every few steps); SIGKILLs agent B and
-its worker (:func:`ddpkit.notebook.kill_tree`) once the job passed ``kill_at_step``; waits until A's
-job, re-formed with one node, trained ``alone_steps`` steps; starts a new agent B; and waits for the end.
-Every wait has a deadline, and nothing it started outlives it.
+its worker (:func:`ddpkit.notebook.kill_tree`) once the job passed ``kill_at_step``; and waits until A's
+job, re-formed with one node, reaches the last step. Every wait has a deadline, and nothing it started
+outlives it.
 
 The summary comes from the trainer's own logs: the rounds (world size, accumulation, torchrun's restart
 count, from :data:`ddpkit.elastic.MEMBERSHIP_LOG`), the step each round resumed from, the steps done
@@ -56,16 +56,7 @@ def rounds(workdir: str) -> list[dict]:
         return [json.loads(line) for line in handle if line.endswith("\n")]
 
 
-def _wait(condition, deadline: float, what: str, agents: dict) -> None:
-    while not condition():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"elastic drill: timed out waiting for {what}")
-        if agents["A"].poll() is not None:
-            raise RuntimeError(f"elastic drill: agent A ended (exit {agents['A'].returncode}) while waiting for {what}")
-        time.sleep(0.05)
-
-
-def run_elastic(workdir: str, *, steps: int = 60, kill_at_step: int = 12, alone_steps: int = 1, checkpoint_every: int = 5,
+def run_elastic(workdir: str, *, steps: int = 40, kill_at_step: int = 12, checkpoint_every: int = 5,
                 global_batch_size: int = 16, step_s: float = 0.06, timeout_s: float = 240.0, show=print) -> dict:
     from ddpkit.notebook import kill_tree
 
@@ -93,37 +84,42 @@ def run_elastic(workdir: str, *, steps: int = 60, kill_at_step: int = 12, alone_
             e["event"] == "step" and e["step"] >= step and e["time"] > rounds(workdir)[-1]["time"] for e in _events(workdir))
 
     deadline, marks = time.monotonic() + timeout_s, {}
+
+    def wait(condition, what: str, a_may_end: bool = False) -> None:
+        said = time.monotonic()
+        while not condition():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"elastic drill: timed out waiting for {what}")
+            if not a_may_end and agents["A"].poll() is not None:
+                raise RuntimeError(f"elastic drill: agent A ended (exit {agents['A'].returncode}) waiting for {what}")
+            if time.monotonic() - said > 5:  # never silent for long
+                said = time.monotonic()
+                show(f"... waiting for {what} (the job is at step {_last_step(workdir)})")
+            time.sleep(0.05)
     try:
         # the agents start warm and are released together, so both join the first round (a round closes
-        # last_call_timeout after its minimum joined); B2, the node that comes back, is released at a chosen step
-        for name in ("A", "B", "B2"):
+        # last_call_timeout after its minimum joined)
+        for name in ("A", "B"):
             start(name)
         release("A", "B")
-        _wait(lambda: reached(kill_at_step, 2), deadline, f"step {kill_at_step} with two nodes", agents)
+        wait(lambda: reached(kill_at_step, 2), f"step {kill_at_step} with two nodes")
         marks["killed"] = time.time()
         kill_tree(agents["B"].pid)
         agents["B"].wait()
         show(f"node B (its agent and its worker) SIGKILLed after step {_last_step(workdir)}")
-        _wait(lambda: reached(0, 1), deadline, "the job to go on with one node", agents)
+        wait(lambda: reached(0, 1), "the job to go on with one node")
         resumed = _restored(workdir)[-1]
         show(f"one node: the job re-formed (world 1, accumulation {rounds(workdir)[-1]['grad_accum']}) "
              f"and resumed from step {resumed}")
-        _wait(lambda: reached(resumed + alone_steps, 1), deadline, f"{alone_steps} steps with one node", agents)
-        marks["rejoin"] = time.time()
-        release("B2")
-        show(f"node B started again at step {_last_step(workdir)}")
-        agents["A"].wait(timeout=max(1.0, deadline - time.monotonic()))
-        try:  # when B rejoined, it ends with A; otherwise it waits for a store that is gone: stop it
-            agents["B2"].wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            raise RuntimeError("elastic drill: the job ended before node B rejoined it (raise steps or step_s)") from None
-        codes = {name: agents[name].returncode for name in ("A", "B2")}
+        wait(lambda: agents["A"].poll() is not None, f"step {steps}", a_may_end=True)
+        codes = {"A": agents["A"].returncode}
+        show(f"done: step {_last_step(workdir)} with one node")
     finally:
         for proc in agents.values():
             if proc.poll() is None:
                 kill_tree(proc.pid)
                 proc.wait()
-    if codes != {"A": 0, "B2": 0}:
+    if codes != {"A": 0}:
         tail = open(os.path.join(workdir, "agent-A.out")).read()[-1500:]
         raise RuntimeError(f"elastic drill: agents exited {codes}: {tail}")
     return summarize(workdir, marks)
@@ -147,9 +143,6 @@ def summarize(workdir: str, marks: dict) -> dict:
     shrink = next(r for r in membership if r["time"] > killed)
     restored = next(e for e in events if e["event"] == "checkpoint_restored" and e["time"] > killed)
     first = next(e for e in events if e["event"] == "step" and e["time"] > restored["time"])
-    grow = next((r for r in membership if r["time"] > marks["rejoin"] and r["world_size"] == 2), None)
-    if grow is None:
-        raise RuntimeError("elastic drill: node B was started again but the job never grew back to two nodes")
     return {
         "rounds": [{"world_size": r["world_size"], "grad_accum": r["grad_accum"], "restart_count": r["restart_count"],
                     "global_batch": 8 * r["grad_accum"] * r["world_size"]} for r in membership],
@@ -160,7 +153,6 @@ def summarize(workdir: str, marks: dict) -> dict:
         "restore_s": _restore_s(events, restored),
         "first_step_s": first["time"] - restored["time"],
         "back_s": first["time"] - killed,  # from the death to the first step after it
-        "grew_back_world": grow["world_size"],
         "steps": final["steps"],
         "data_sha256": final["data_sha256"], "param_sha256": final["param_sha256"],
     }
@@ -175,8 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m ddpkit.elastic_drill --release FILE -- <torchrun flags>``: a torchrun agent started warm.
 
     Importing torch takes seconds on a busy machine; this process does it, waits until ``FILE`` exists,
-    then runs torchrun's own entry point (``torch.distributed.run.main``) with the flags. So the drill
-    decides when a node joins, not the machine's load."""
+    then runs torchrun's own entry point (``torch.distributed.run.main``) with the flags. So both agents
+    join the first round together, whatever the machine's load."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m ddpkit.elastic_drill")
