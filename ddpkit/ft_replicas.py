@@ -45,6 +45,9 @@ WIDTH, CLASSES, BATCH = 16, 4, 32
 
 def available() -> bool:
     """True when torchft can be imported (the optional extra ``ddpkit[ft]``)."""
+    # torchft's Rust side logs every quorum tick at INFO to stderr, read from RUST_LOG when it is first
+    # imported; WARN keeps a notebook's log readable (a RUST_LOG already set wins)
+    os.environ.setdefault("RUST_LOG", "warn")
     try:
         import torchft  # noqa: F401
     except ImportError:
