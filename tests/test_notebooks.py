@@ -373,6 +373,20 @@ def check_20(records):
     assert len(built["None"]["built"]) == 2 and len(built["25"]["built"]) == 1 and built["None"]["first_cap"] == 2**20
 
 
+def check_21(records):
+    elastic = records["elastic"]
+    assert elastic["worlds"] == [2, 1]
+    assert elastic["global_batches"] == [16] and elastic["same_data"] and elastic["lost_steps"] >= 1
+    if not records["torchft"]:  # the optional extra is missing: the torchft cells said so and skipped
+        assert "replicas" not in records and "mid_allreduce" not in records
+        return
+    replicas, mid = records["replicas"], records["mid_allreduce"]
+    assert replicas["no_step_lost"] and replicas["heal_bitwise"] and replicas["final_equal"]
+    assert replicas["joined_step"] == replicas["survivor_step_at_join"] > replicas["first_alone_step"]
+    assert len(mid["retried"]) == 1 and mid["retried"][0]["unchanged"] and mid["no_step_lost"] and mid["same"]
+    assert replicas["survivor_blocked_s"] < elastic["back_s"]
+
+
 def check_10b(records):
     lost = records["mantissa"]["lost"]
     assert lost["bf16"] == lost["weight"] < lost["fp32"] and records["mantissa"]["kept"]["bf16"] > 1.0
@@ -402,7 +416,7 @@ def check_10b(records):
 CHECKS = {"01": check_01, "02": check_02, "03": check_03, "04": check_04, "05": check_05, "06": check_06, "07": check_07, "08": check_08,
           "09": check_09, "10": check_10, "11": check_11, "12": check_12,
           "13": check_13, "14": check_14, "15": check_15, "16": check_16,
-          "17": check_17, "18": check_18, "19": check_19, "20": check_20, "10b": check_10b}
+          "17": check_17, "18": check_18, "19": check_19, "20": check_20, "21": check_21, "10b": check_10b}
 
 
 def test_every_notebook_has_a_results_check():

@@ -1,0 +1,181 @@
+"""Kill a torchft replica group, watch the others go on, restart it, and check what it got back.
+
+:func:`run_drill` starts a lighthouse (``torchft.coordination.LighthouseServer``, in this process) and two
+replica groups (:mod:`ddpkit.ft_replicas`, one process each), lets one of them SIGKILL itself at an exact
+point, restarts it once the survivor has trained a few steps alone, and reads both event logs into a
+summary: the steps the survivor committed (every step number once, in order: nothing committed is
+lost), the attempts it did not commit (their weights unchanged), the steps it trained alone, the time
+the failure cost it, the step and weights the restarted replica healed to, and the final weights of
+both. The replacement for the killed replica is started at the beginning with Python and torch loaded
+and joins when released (``--wait-for``), as a spare machine standing by would: so the drill decides
+when it joins, and a busy machine's seconds of ``import torch`` are not counted in its join time. :func:`run_drills` runs several drills at once (each with its own lighthouse), to share the
+seconds that starting Python and importing torch cost.
+
+The lighthouse's ``heartbeat_timeout_ms`` is how long a silent replica group counts as alive: the
+survivor's next quorum waits that long before it forms without the dead one (torchft's lighthouse
+keeps a quorum from forming with fewer than half of the replica groups it still counts as alive, to
+avoid a split brain: ``src/lighthouse.rs``, ``quorum_compute``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from ddpkit.ft_replicas import MISSING, available
+
+HEARTBEAT_TIMEOUT_MS = 1500  # a replica group silent this long is dead (torchft's default is 5000)
+
+
+def _start(workdir: str, replica: int, generation: int, lighthouse: str, args: list[str]) -> subprocess.Popen:
+    out = open(os.path.join(workdir, f"replica-{replica}.{generation}.out"), "w")  # noqa: SIM115 - closed by the child
+    cmd = [sys.executable, "-m", "ddpkit.ft_replicas", "--replica-id", str(replica), "--lighthouse", lighthouse,
+           "--log", os.path.join(workdir, f"replica-{replica}.jsonl"), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+
+
+def read_log(workdir: str, replica: int) -> list[dict]:
+    path = os.path.join(workdir, f"replica-{replica}.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as handle:
+        return [json.loads(line) for line in handle if line.endswith("\n")]  # a line being written is skipped
+
+
+def _alone(events: list[dict]) -> int:
+    return sum(1 for e in events if e["event"] == "step" and e["committed"] and e["participants"] == 1)
+
+
+def run_drill(workdir: str, *, die_mode: str = "between", die_at_step: int = 6, steps: int = 14, heal: bool = True,
+              restart: bool = True, alone_steps: int = 4, ignore_commit: bool = False, timeout_s: float = 300.0,
+              show=print, name: str = "") -> dict:
+    """One drill: replica 1 dies at ``die_at_step`` (``die_mode``), replica 0 goes on; with ``restart`` a new
+    replica 1 starts once replica 0 committed ``alone_steps`` steps alone, and both train to ``steps``."""
+    if not available():
+        raise RuntimeError(MISSING)
+    from ddpkit.notebook import kill_tree
+    from torchft.coordination import LighthouseServer
+
+    shutil.rmtree(workdir, ignore_errors=True)  # a drill run again in the same folder starts clean
+    gate = os.path.join(workdir, "gate")
+    os.makedirs(gate)
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=1000, quorum_tick_ms=50,
+                                  heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS)
+    # without healing a restarted replica never catches up (it stays behind the survivor's step, so it never
+    # takes part): then the survivor ends alone and the restarted replica stops after its first quorum
+    together = restart and heal
+    ends = ["--steps", str(steps), "--end-replicas", "2" if together else "1", "--run-timeout", str(timeout_s),
+            *(["--ignore-commit"] if ignore_commit else [])]
+    prefix = f"[{name}] " if name else ""
+    procs: list[subprocess.Popen] = []
+    started, restart_launched, said, last_line = time.time(), None, set(), [time.monotonic()]
+
+    def say(line: str) -> None:
+        last_line[0] = time.monotonic()
+        show(line)
+
+    try:
+        procs.append(_start(workdir, 0, 0, lighthouse.address(), ["--gate", gate, *ends]))
+        procs.append(_start(workdir, 1, 0, lighthouse.address(), ["--gate", gate, *ends, "--die-mode", die_mode,
+                                                                 "--die-at-step", str(die_at_step)]))
+        release = os.path.join(workdir, "release-replacement")
+        if restart:  # the replacement starts warm now and joins when released (see the module docstring)
+            procs.append(_start(workdir, 1, 1, lighthouse.address(), [*ends, "--wait-for", release,
+                                                                     *([] if heal else ["--no-heal", "--exit-after-join"])]))
+        deadline = time.monotonic() + timeout_s
+        while any(p.poll() is None for p in procs):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{prefix}the drill did not end within {timeout_s:.0f} s (logs in {workdir})")
+            survivor, other = read_log(workdir, 0), read_log(workdir, 1)
+            died = next((e for e in other if e["event"] == "dying"), None)
+            if died and "dying" not in said:
+                said.add("dying")
+                say(f"{prefix}replica 1 SIGKILLed itself at step {died['step']}, {died['where']}")
+            if died and _alone(survivor) and "alone" not in said:
+                said.add("alone")
+                first = next(e for e in survivor if e["event"] == "step" and e["participants"] == 1)
+                say(f"{prefix}replica 0 trains alone from step {first['step']}, "
+                     f"{first['time'] - died['time']:.1f} s after the death")
+            ready = _alone(survivor) >= alone_steps or procs[0].poll() is not None
+            if restart and restart_launched is None and procs[1].poll() is not None and ready:
+                restart_launched = time.time()
+                say(f"{prefix}replica 1's replacement joins ({'it heals from replica 0' if heal else 'healing turned off'})")
+                open(release, "w").close()
+            if time.monotonic() - last_line[0] > 5:  # never silent for long: where replica 0 is
+                at = max((e["step"] for e in survivor if e["event"] == "step"), default=None)
+                say(f"{prefix}... replica 0 " + ("starting" if at is None else f"at step {at}"))
+            time.sleep(0.05)
+        codes = [p.returncode for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                kill_tree(p.pid)
+                p.wait()
+        lighthouse.shutdown()
+    if codes[0] != 0 or codes[1] != -9 or (restart and codes[2] != 0):
+        tails = {f: open(os.path.join(workdir, f)).read()[-600:] for f in sorted(os.listdir(workdir)) if f.endswith(".out")}
+        raise RuntimeError(f"{prefix}unexpected exit codes {codes} (replica 0, replica 1, restarted replica 1): {tails}")
+    summary = summarize(read_log(workdir, 0), read_log(workdir, 1), restart_launched)
+    summary["wall_s"] = time.time() - started
+    show(f"{prefix}done in {summary['wall_s']:.1f} s: replica 0 committed steps 0..{summary['final_step'] - 1}, "
+         f"{summary['alone_steps']} of them alone" + (f"; the restarted replica 1 joined at step {summary['joined_step']}" if "joined_step" in summary else ""))
+    return summary
+
+
+def summarize(survivor: list[dict], other: list[dict], restart_launched: float | None) -> dict:
+    """What the two logs say, as plain values a notebook can assert on and record."""
+    steps = [e for e in survivor if e["event"] == "step"]
+    committed = [e for e in steps if e["committed"]]
+    died = next(e for e in other if e["event"] == "dying")
+    before_death = [e for e in steps if e["time"] <= died["time"]]
+    first_alone = next(e for e in steps if e["participants"] == 1 and e["committed"])
+    survivor_sha = {e["step"]: e["sha"] for e in committed}  # the weights after each committed step
+    summary = {
+        "died_at_step": died["step"], "died_where": died["where"],
+        "committed_steps": [e["step"] for e in committed],
+        "no_step_lost": [e["step"] for e in committed] == list(range(len(committed))),
+        "retried": [{"step": e["step"], "unchanged": e["sha"] == e["sha_before"]} for e in steps if not e["committed"]],
+        "alone_steps": _alone(survivor),
+        "first_alone_step": first_alone["step"],
+        # from the death to the end of the survivor's first step without it: detection, new quorum, the step
+        "survivor_blocked_s": first_alone["time"] - died["time"],
+        "survivor_step_s": _median([b["time"] - a["time"] for a, b in zip(before_death, before_death[1:])]),
+        "survivor_sha": {str(k): v for k, v in survivor_sha.items()},
+        "final_step": next(e["step"] for e in survivor if e["event"] == "done"),
+        "final_sha": {"0": next(e["sha"] for e in survivor if e["event"] == "done")},
+    }
+    joins = [e for e in other if e["event"] == "joined"]
+    if restart_launched is not None and len(joins) == 2:
+        healed = joins[1]
+        at_join = max(e["step"] for e in committed if e["time"] <= healed["time"])
+        summary.update({
+            "joined_step": healed["step"],
+            "survivor_step_at_join": at_join + 1,
+            # healed: the weights the survivor had when the restarted replica joined, bit for bit
+            "heal_bitwise": healed["sha"] == survivor_sha[at_join],
+            "restart_to_join_s": healed["time"] - restart_launched,
+            "back_after_s": healed["time"] - died["time"],
+        })
+        done = [e for e in other if e["event"] == "done"]
+        if done:
+            summary["final_sha"]["1"] = done[-1]["sha"]
+    return summary
+
+
+def _median(values: list[float]) -> float:
+    values = sorted(values)
+    return values[len(values) // 2] if values else 0.0
+
+
+def run_drills(workdir: str, drills: dict[str, dict], show=print) -> dict[str, dict]:
+    """Several drills at once, each in its own folder with its own lighthouse; their summaries by name."""
+    with ThreadPoolExecutor(max_workers=len(drills)) as pool:
+        futures = {name: pool.submit(run_drill, os.path.join(workdir, name), show=show, name=name, **kwargs)
+                   for name, kwargs in drills.items()}
+        return {name: future.result() for name, future in futures.items()}

@@ -1,0 +1,74 @@
+"""torchft replica groups on real processes: a killed group's peer goes on alone, the restarted one heals.
+
+One module-scoped run of four drills at once (each: a lighthouse and two replica-group processes) feeds
+every test; two of them are the negative controls (healing turned off; the commit ignored).
+"""
+
+import pytest
+
+from ddpkit import ft_replicas
+
+pytestmark = pytest.mark.skipif(not ft_replicas.available(), reason=ft_replicas.MISSING)
+
+DIE = 3
+
+
+@pytest.fixture(scope="module")
+def drills(tmp_path_factory):
+    from ddpkit import ft_drill
+
+    common = dict(die_at_step=DIE, steps=8, alone_steps=2)
+    return ft_drill.run_drills(str(tmp_path_factory.mktemp("torchft")), {
+        "heal": dict(die_mode="between", **common),
+        "no_heal": dict(die_mode="between", heal=False, **common),
+        "mid": dict(die_mode="allreduce", restart=False, **common),
+        "mid_ignoring_commit": dict(die_mode="allreduce", restart=False, ignore_commit=True, **common),
+    }, show=lambda line: None)
+
+
+def test_the_survivor_goes_on_alone_and_commits_every_step_once(drills):
+    heal = drills["heal"]
+    assert heal["no_step_lost"] and heal["retried"] == []
+    assert heal["first_alone_step"] == DIE and heal["alone_steps"] >= 2
+    assert heal["survivor_blocked_s"] > 1.0  # the lighthouse waited out the heartbeat timeout (1.5 s)
+
+
+def test_the_restarted_replica_heals_to_the_survivors_step_and_weights(drills):
+    heal = drills["heal"]
+    assert heal["joined_step"] == heal["survivor_step_at_join"] > DIE
+    assert heal["heal_bitwise"] and heal["final_sha"]["0"] == heal["final_sha"]["1"]
+
+
+def test_negative_control_without_healing_the_restarted_replica_is_behind_and_differs(drills):
+    no_heal = drills["no_heal"]
+    assert no_heal["joined_step"] == 0 < no_heal["survivor_step_at_join"]
+    assert not no_heal["heal_bitwise"]
+
+
+def test_a_death_mid_all_reduce_costs_one_attempt_that_changes_nothing(drills):
+    mid = drills["mid"]
+    assert mid["retried"] == [{"step": DIE, "unchanged": True}]
+    assert mid["no_step_lost"] and mid["first_alone_step"] == DIE
+
+
+def test_the_failed_attempt_leaves_no_trace(drills):
+    """Alone, the survivor's weights after each step are bitwise those of the drill whose peer died between steps."""
+    heal, mid = drills["heal"]["survivor_sha"], drills["mid"]["survivor_sha"]
+    alone = [s for s in heal if DIE <= int(s) < drills["heal"]["joined_step"] and s in mid]
+    assert len(alone) >= 2 and all(heal[s] == mid[s] for s in alone)
+    assert all(heal[str(s)] == mid[str(s)] for s in range(DIE))  # and the steps before the death
+
+
+def test_negative_control_applying_the_uncommitted_attempt_changes_the_weights(drills):
+    ignoring = drills["mid_ignoring_commit"]
+    assert ignoring["retried"] == [{"step": DIE, "unchanged": False}]
+    heal = drills["heal"]["survivor_sha"]
+    assert all(ignoring["survivor_sha"][str(s)] != heal[str(s)] for s in range(DIE, DIE + 2))
+
+
+def test_the_drill_refuses_in_one_line_without_torchft(monkeypatch, tmp_path):
+    from ddpkit import ft_drill
+
+    monkeypatch.setattr(ft_drill, "available", lambda: False)
+    with pytest.raises(RuntimeError, match=r"pip install 'ddpkit\[ft\]'"):
+        ft_drill.run_drill(str(tmp_path))
