@@ -8,9 +8,9 @@ The training loop becomes ``loss = engine(x)...; engine.backward(loss); engine.s
 
 To run it beside the kit on CPU ranks, four things change from a GPU config, each for a reason:
 
-* ``deepspeed.init_distributed(dist_backend="gloo")``: DeepSpeed's CPU accelerator names ``ccl`` (oneCCL)
-  as its backend; gloo is what torch ships. Under the kit's launcher the process group already exists
-  and DeepSpeed uses it;
+* ``deepspeed.init_distributed(dist_backend="gloo")``: DeepSpeed's CPU accelerator picks ``ccl`` (oneCCL)
+  when Intel's ``oneccl_bindings_for_pytorch`` is installed and gloo otherwise; saying gloo makes it
+  explicit. Under the kit's launcher the process group already exists and DeepSpeed uses it;
 * ``"torch_adam": true`` in the optimizer's params: DeepSpeed's own Adam (``FusedAdam``; ``DeepSpeedCPUAdam``
   with ZeRO-Offload) is a C++ extension compiled on first use; torch's ``AdamW`` is the kit's optimizer;
 * ``"gradient_clipping": 0.0``: DeepSpeed clips at 1.0 unless told otherwise (``GRADIENT_CLIPPING_DEFAULT``

@@ -92,8 +92,12 @@ def launch(cfg: TrainConfig) -> dict:
     os.environ.update(RAY_ENV)
     temp_dir = tempfile.mkdtemp(prefix=TEMP_PREFIX)
     try:
-        ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, logging_level="WARNING",
-                 _temp_dir=None if os.environ.get("RAY_ADDRESS") else temp_dir)
+        try:
+            ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, logging_level="WARNING",
+                     _temp_dir=None if os.environ.get("RAY_ADDRESS") else temp_dir)
+        except Exception as exc:  # Ray's head did not come up: one line, with the usual cause on a busy machine
+            raise RuntimeError(f"Ray did not start ({_first_line(exc)}); on a busy machine the raylet gives its "
+                               f"dashboard agent 15 s to start, then gives up: retry when the machine is less loaded") from exc
         check_placement(cfg.world_size, ray.cluster_resources().get("CPU", 0))
         trainer = TorchTrainer(
             worker,
