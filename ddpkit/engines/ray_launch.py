@@ -30,11 +30,14 @@ Three Ray habits this module handles, each with its reason:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
 import sys
 import tempfile
+import time
 from typing import Any
 
 from ddpkit import metrics, runtime, train
@@ -44,7 +47,8 @@ from ddpkit.errors import UserError
 
 SUMMARY_FILE = "summary.json"
 TEMP_PREFIX = "ddpkit-ray-"  # every local Ray session's folder (and its processes' command lines) carry it
-RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0"}  # no usage report at start-up, no prompt, no network call
+RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0"}
+STRAGGLER_GRACE_S = 10.0  # after ray.shutdown(), how long this session's processes get to exit on their own  # no usage report at start-up, no prompt, no network call
 
 
 def visible_cpus() -> int:
@@ -113,6 +117,7 @@ def launch(cfg: TrainConfig) -> dict:
         summary = read_summary(result)
     finally:
         ray.shutdown()
+        stop_stragglers(temp_dir)
         shutil.rmtree(temp_dir, ignore_errors=True)
         for key, old in saved.items():
             if old is None:
@@ -140,6 +145,33 @@ def worker(config: dict) -> None:
             checkpoint = ray.train.Checkpoint.from_directory(folder)
         # every worker reports once (a barrier); only rank 0's metrics and checkpoint reach the driver
         ray.train.report({"step": summary["steps"], "param_sha256": summary["param_sha256"]}, checkpoint=checkpoint)
+
+
+def session_processes(temp_dir: str) -> list[int]:
+    """Processes of the local Ray this launcher started: each names its session folder in its command line."""
+    pids = []
+    for name in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if name.isdigit() and int(name) != os.getpid():
+            try:
+                with open(f"/proc/{name}/cmdline", "rb") as handle:
+                    if temp_dir.encode() in handle.read():
+                        pids.append(int(name))
+            except OSError:
+                continue
+    return pids
+
+
+def stop_stragglers(temp_dir: str, grace_s: float = STRAGGLER_GRACE_S) -> None:
+    """After ``ray.shutdown()``: give this session's processes ``grace_s`` to exit, then SIGKILL them by id.
+
+    Seen on a loaded machine: a head that failed to start left its runtime-env agent running, which
+    recreated the session folder after it was removed."""
+    end = time.monotonic() + grace_s
+    while (pids := session_processes(temp_dir)) and time.monotonic() < end:
+        time.sleep(0.1)
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def read_summary(result: Any) -> dict:
