@@ -48,6 +48,7 @@ from ddpkit.errors import UserError
 SUMMARY_FILE = "summary.json"
 TEMP_PREFIX = "ddpkit-ray-"  # every local Ray session's folder (and its processes' command lines) carry it
 RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0"}
+START_ATTEMPTS = 2  # a local head that fails to start is started once more (see start_ray)
 STRAGGLER_GRACE_S = 10.0  # after ray.shutdown(), how long this session's processes get to exit on their own  # no usage report at start-up, no prompt, no network call
 
 
@@ -96,12 +97,7 @@ def launch(cfg: TrainConfig) -> dict:
     os.environ.update(RAY_ENV)
     temp_dir = tempfile.mkdtemp(prefix=TEMP_PREFIX)
     try:
-        try:
-            ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, logging_level="WARNING",
-                     _temp_dir=None if os.environ.get("RAY_ADDRESS") else temp_dir)
-        except Exception as exc:  # Ray's head did not come up: one line, with the usual cause on a busy machine
-            raise RuntimeError(f"Ray did not start ({_first_line(exc)}); on a busy machine the raylet gives its "
-                               f"dashboard agent 15 s to start, then gives up: retry when the machine is less loaded") from exc
+        start_ray(ray, temp_dir)
         check_placement(cfg.world_size, ray.cluster_resources().get("CPU", 0))
         trainer = TorchTrainer(
             worker,
@@ -127,6 +123,30 @@ def launch(cfg: TrainConfig) -> dict:
     if cfg.summary_json:
         metrics.write_summary(cfg.summary_json, summary)
     return summary
+
+
+def start_ray(ray, temp_dir: str) -> None:
+    """``ray.init``: a local head in ``temp_dir``, or the cluster ``RAY_ADDRESS`` names.
+
+    A local head's raylet waits 15 s for its dashboard agent (a Python process) to write its ports, then
+    aborts ("The current node timed out during startup"; the raylet's log says "Timed out waiting for
+    file ... metrics_agent_port"). On two cores shared with other jobs the agent's start-up alone took
+    longer (measured here at load 12-20). So a head that fails to start is stopped and started once more,
+    then the failure is reported in one line."""
+    local = not os.environ.get("RAY_ADDRESS")
+    for attempt in range(START_ATTEMPTS if local else 1):
+        try:
+            ray.init(address=None if local else os.environ["RAY_ADDRESS"], include_dashboard=False,
+                     logging_level="WARNING", _temp_dir=temp_dir if local else None)
+            return
+        except Exception as exc:  # noqa: BLE001 - Ray raises a bare Exception here
+            ray.shutdown()
+            stop_stragglers(temp_dir)
+            if attempt + 1 == (START_ATTEMPTS if local else 1):
+                raise RuntimeError(f"Ray did not start ({_first_line(exc)}); on a busy machine its dashboard agent "
+                                   "can miss the raylet's 15 s limit: retry when the machine is less loaded") from exc
+            print("ddpkit: Ray's head did not start in time (a busy machine?); starting it once more",
+                  file=sys.stderr, flush=True)
 
 
 def worker(config: dict) -> None:
