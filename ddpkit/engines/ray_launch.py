@@ -20,12 +20,13 @@ Three Ray habits this module handles, each with its reason:
   ``ray.train.report(metrics, checkpoint=...)``, a barrier that every worker must call the same number
   of times; ``Result.metrics`` stays empty until one does. Rank 0 reports its summary inside a
   checkpoint folder (copied to ``RunConfig.storage_path``), the other ranks report without one;
-* **placement**: Ray reserves one CPU per worker (``ScalingConfig``); workers it cannot place are
-  waited for, indefinitely. So a world larger than the CPUs Ray sees is refused here, in one line, before
-  Ray starts (or, on a cluster, before the workers are requested);
-* **leftovers**: a local Ray starts a head of its own (GCS server, raylet, dashboard agents) that outlives
-  a crashed driver unless shut down. It runs with usage statistics off (``RAY_USAGE_STATS_ENABLED=0``)
-  and in a temporary folder of its own, and ``ray.shutdown()`` plus the folder's removal are in ``finally``.
+* **placement**: Ray reserves one CPU per worker (``ScalingConfig``); a worker group it cannot place
+  is waited for (the run does not start until the resources exist). So a world larger than the CPUs Ray
+  sees is refused here, in one line, before Ray starts (or, on a cluster, before the workers are requested);
+* **leftovers**: a local Ray starts a head of its own (GCS server, raylet, dashboard and runtime-env
+  agents). It runs with usage statistics off (``RAY_USAGE_STATS_ENABLED=0``) and in a temporary folder
+  of its own; ``ray.shutdown()``, then any process still naming that folder (stopped by its id), then the
+  folder's removal are in ``finally``.
 """
 
 from __future__ import annotations
