@@ -42,7 +42,7 @@ def runs(tmp_path_factory):
     out = {}
     for name, extra in (("ray", ("--launcher", "ray")), ("ddpkit", ()), ("control", ("--seed", "18"))):
         path = folder / f"{name}.json"
-        proc = run_cli("train", *CONFIG, *extra, "--summary-json", str(path), timeout=180)
+        proc = run_cli("train", *CONFIG, *extra, "--summary-json", str(path), timeout=300)  # Ray may start its head twice
         assert proc.returncode == 0, proc.stderr[-3000:]
         out[name] = json.loads(path.read_text())
         out[name + "_stdout"] = proc.stdout
