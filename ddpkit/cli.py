@@ -37,6 +37,8 @@ from ddpkit.preemption import (PREEMPTED_EXIT, TERMINATED_EXIT, passed_on_to_ran
                                torchrun_launcher, write_marker)
 from ddpkit.recovery import note_failure_detected
 
+LAUNCHERS = ("ddpkit", "ray")
+
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line, no usage dump
@@ -51,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = commands.add_parser("train", help="train a model with DDP on real ranks", allow_abbrev=False)
     d = TrainConfig()
     p.add_argument("--world-size", type=int, default=None, help=f"ranks (default {d.world_size}; torchrun sets it)")
+    p.add_argument("--launcher", choices=LAUNCHERS, default="ddpkit",
+                   help="ddpkit: the kit's launcher (ranks on this machine); ray: Ray Train's worker group (ddpkit[ray])")
     p.add_argument("--backend", choices=runtime.BACKENDS, default=d.backend)
     p.add_argument("--model", choices=MODELS, default=d.model)
     p.add_argument("--steps", type=int, default=d.steps)
@@ -131,7 +135,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     elif world_size is not None and world_size > MAX_LOCAL_RANKS:
         raise ValueError(f"world-size must be at most {MAX_LOCAL_RANKS} on one machine, got {world_size}: "
                          "use torchrun to span machines")
-    fields = {k: v for k, v in vars(args).items() if k != "command"}
+    fields = {k: v for k, v in vars(args).items() if k not in ("command", "launcher")}
     fields["world_size"] = world_size if world_size is not None else TrainConfig.world_size
     if fields["checkpoint_format"] is None:
         fields["checkpoint_format"] = default_checkpoint_format(args)
@@ -216,8 +220,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = config_from_args(args)
         check_before_launch(cfg, attempt)
+        if args.launcher == "ray":
+            from ddpkit.engines import ray_launch
+
+            if runtime.under_torchrun():
+                raise ValueError("--launcher ray starts its own workers: run it without torchrun")
+            ray_launch.check(cfg)
     except (ValueError, UserError) as exc:
         return _refuse(exc)
+    if args.launcher == "ray":
+        return ray_launch.main(cfg)
     argv = sys.argv[1:] if argv is None else list(argv)
     if runtime.under_torchrun():  # torchrun made us one rank; it also owns restarts
         _run_as_torchrun_worker(restarted(cfg) if attempt > 0 else cfg, attempt, argv)

@@ -1,0 +1,180 @@
+"""DeepSpeed's ZeRO stages 1, 2 and 3 on the kit's job: the same model, the same samples, the same AdamW.
+
+DeepSpeed (``deepspeed.initialize(model=..., config=...)``) wraps a model in an *engine* that owns what
+the kit's trainer spreads over its strategies: gradient averaging, the optimizer and its sharding (the
+``zero_optimization.stage``), gradient clipping, the learning-rate schedule, mixed precision and the
+batch arithmetic (``train_batch_size = micro batch x accumulation x data-parallel ranks``, checked).
+The training loop becomes ``loss = engine(x)...; engine.backward(loss); engine.step()``.
+
+To run it beside the kit on CPU ranks, four things change from a GPU config, each for a reason:
+
+* ``deepspeed.init_distributed(dist_backend="gloo")``: DeepSpeed's CPU accelerator picks ``ccl`` (oneCCL)
+  when Intel's ``oneccl_bindings_for_pytorch`` is installed and gloo otherwise; saying gloo makes it
+  explicit. Under the kit's launcher the process group already exists and DeepSpeed uses it;
+* ``"torch_adam": true`` in the optimizer's params: DeepSpeed's own Adam (``FusedAdam``; ``DeepSpeedCPUAdam``
+  with ZeRO-Offload) is a C++ extension compiled on first use; torch's ``AdamW`` is the kit's optimizer;
+* ``"gradient_clipping": 0.0``: DeepSpeed clips at 1.0 unless told otherwise (``GRADIENT_CLIPPING_DEFAULT``
+  in ``deepspeed/runtime/constants.py``); torch clips only when ``clip_grad_norm_`` is called;
+* the batch numbers fit two ranks, and bf16 is off (the kit's runs here are fp32).
+
+``DS_ACCELERATOR=cpu`` is set before DeepSpeed is imported: its accelerator detection would otherwise
+call ``torch.cuda.is_available()``, which starts the CUDA driver in the calling process (a notebook
+kernel could then no longer fork ranks, see ``ddpkit/launch.py``). On Linux, DeepSpeed's CPU backend
+compiles a shared-memory collective op (``ShareMemCommBuilder``, ``deepspeed/comm/torch.py``) the first
+time a process group starts: minutes on a busy 2-core machine. ``TORCH_EXTENSIONS_DIR`` points into this
+environment's own folder (``sys.prefix``), so the build is done once per environment (:func:`build_ops`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import sys
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from ddpkit import metrics
+from ddpkit.config import TrainConfig
+from ddpkit.data import ResumableDistributedSampler, build_dataset
+from ddpkit.models import build_model, loss_fn
+from ddpkit.runtime import RankContext, seed_everything
+from ddpkit.step import global_loss_sum
+
+SEED_CONFIG: dict = {  # seed 003's DEEPSPEED_CONFIG, value for value (an 8-GPU bf16 job)
+    "train_batch_size": 256, "train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 4,
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "betas": [0.9, 0.95], "weight_decay": 0.1}},
+    "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 1e-4,
+                                                      "warmup_num_steps": 2000, "total_num_steps": 100000}},
+    "bf16": {"enabled": True},
+    "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+                          "offload_param": {"device": "none"}, "overlap_comm": True, "contiguous_gradients": True,
+                          "reduce_bucket_size": 5e8, "stage3_prefetch_bucket_size": 5e8,
+                          "stage3_param_persistence_threshold": 1e6, "gather_16bit_weights_on_model_save": True},
+    "gradient_clipping": 1.0,
+    "activation_checkpointing": {"partition_activations": True, "contiguous_memory_optimization": True},
+    "wall_clock_breakdown": True,
+}
+
+
+def extensions_dir() -> str:
+    """Where torch keeps DeepSpeed's compiled ops for this environment (inside it: one build per venv)."""
+    return os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(sys.prefix, "torch_extensions")
+
+
+def import_deepspeed():
+    """``import deepspeed`` on the CPU accelerator, quietly (its start-up report is long)."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", extensions_dir())
+    import logging
+
+    import deepspeed
+    from deepspeed.utils import logger
+
+    logger.setLevel(logging.WARNING)
+    return deepspeed
+
+
+def ops_built() -> bool:
+    """True when the shared-memory collective op DeepSpeed's CPU backend loads is already compiled here."""
+    return os.path.isdir(os.path.join(extensions_dir(), "deepspeed_shm_comm"))
+
+
+def build_ops() -> None:
+    """Compile (or find) the op now, in this process: what the first process group would otherwise do."""
+    import_deepspeed()
+    from deepspeed.comm.torch import build_shm_op
+
+    build_shm_op()
+
+
+def cpu_config(cfg: TrainConfig, world_size: int, stage: int, clipping: float | None = 0.0) -> dict:
+    """The kit's job as a DeepSpeed config: its batch, torch's AdamW at its lr and weight decay, ZeRO ``stage``.
+    ``clipping=None`` leaves ``gradient_clipping`` out, so DeepSpeed's default applies."""
+    config = {
+        "train_batch_size": cfg.micro_batch_size * cfg.grad_accum * world_size,
+        "train_micro_batch_size_per_gpu": cfg.micro_batch_size, "gradient_accumulation_steps": cfg.grad_accum,
+        "optimizer": {"type": "AdamW", "params": {"lr": cfg.lr, "weight_decay": cfg.weight_decay, "torch_adam": True}},
+        "zero_optimization": {"stage": stage},
+    }
+    if clipping is not None:
+        config["gradient_clipping"] = clipping
+    return config
+
+
+def kit_batches(ctx: RankContext, cfg: TrainConfig):
+    """This rank's micro-batches in the kit trainer's order (its sampler, its loader settings)."""
+    dataset = build_dataset(cfg)
+    sampler = ResumableDistributedSampler(len(dataset), ctx.dp_size, ctx.dp_rank, cfg.global_batch_size, cfg.seed)
+    sampler.set_consumed(0)
+    generator = torch.Generator()
+    generator.manual_seed(cfg.seed * 1_000_003 + sampler.epoch)
+    return iter(DataLoader(dataset, batch_size=cfg.micro_batch_size, sampler=sampler, drop_last=True,
+                           generator=generator))
+
+
+def train_engine(ctx: RankContext, cfg: TrainConfig, config: dict) -> dict:
+    """``cfg.steps`` steps of the kit's model and data under a DeepSpeed engine built from ``config``.
+
+    Returns the global loss of each step (computed as the kit's trainer computes it), the sha256 of the
+    final weights (gathered from the shards under ZeRO-3), the bytes of parameters and optimizer state
+    this rank holds, and the collectives issued per phase (counted on every step after the first)."""
+    deepspeed = import_deepspeed()
+    deepspeed.init_distributed(dist_backend="gloo")
+    seed_everything(cfg.seed)
+    model = build_model(cfg)
+    engine, _, _, _ = deepspeed.initialize(model=model, config=copy.deepcopy(config), model_parameters=model.parameters())
+    batches, losses = kit_batches(ctx, cfg), []
+    comms = deepspeed.comm.comm.comms_logger  # DeepSpeed's own record of every deepspeed.comm call
+    for step in range(cfg.steps):
+        if step == 1:  # count the steady state: from the second step on (the first also sets buffers up)
+            deepspeed.comm.configure(enabled=True, prof_all=True)
+            comms.comms_dict = {}
+        loss_sum = 0.0
+        for _ in range(cfg.grad_accum):
+            batch = next(batches)
+            per_sample = loss_fn(engine(batch["inputs"]), batch["targets"], reduction="none")  # (B,)
+            engine.backward(per_sample.mean())  # the engine divides by the accumulation steps itself
+            loss_sum += float(per_sample.detach().sum())
+            engine.step()  # an optimizer step only at the accumulation boundary
+        losses.append(global_loss_sum(ctx, loss_sum) / cfg.global_batch_size)  # torch's all_reduce: not counted
+    deepspeed.comm.configure(enabled=False)
+    counted = max(1, cfg.steps - 1)
+    per_step = {op: sum(record[0] for record in sizes.values()) / counted for op, sizes in comms.comms_dict.items()}
+    comms.comms_dict = {}
+    stage = engine.zero_optimization_stage()
+    with gathered(deepspeed, model, stage):
+        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    held = held_bytes(engine, model, stage)
+    engine.destroy()
+    return {"stage": stage, "losses": losses, "param_sha256": metrics.state_sha256(state), "bytes": held,
+            "collectives_per_step": per_step, "clipping": engine.gradient_clipping()}
+
+
+@contextlib.contextmanager
+def gathered(deepspeed, model: torch.nn.Module, stage: int):
+    """Under ZeRO-3 each rank holds a shard of each parameter: gather them whole for a moment."""
+    if stage == 3:
+        with deepspeed.zero.GatheredParameters(list(model.parameters())):
+            yield
+    else:
+        yield
+
+
+def held_bytes(engine, model: torch.nn.Module, stage: int) -> dict:
+    """Bytes this rank holds: parameters (ZeRO-3: its partition ``ds_tensor`` of each), and optimizer state:
+    the fp32 tensors the inner torch optimizer updates (a master copy of the shard under ZeRO-1/2; the
+    partition itself under ZeRO-3 in fp32) plus AdamW's ``exp_avg`` and ``exp_avg_sq``."""
+    if stage == 3:
+        params = sum(p.ds_tensor.numel() * p.ds_tensor.element_size() for p in model.parameters())
+    else:
+        params = sum(p.numel() * p.element_size() for p in model.parameters())
+    inner = engine.optimizer.optimizer if stage else engine.optimizer
+    masters = [p for group in inner.param_groups for p in group["params"]]
+    moments = sum(t.numel() * t.element_size() for s in inner.state.values() for t in s.values()
+                  if torch.is_tensor(t) and t.dim() > 0)
+    master_bytes = 0 if stage == 3 else sum(p.numel() * p.element_size() for p in masters)
+    return {"params": params, "optimizer": master_bytes + moments,
+            "optimizer_numel": sum(p.numel() for p in masters)}

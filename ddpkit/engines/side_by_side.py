@@ -1,0 +1,57 @@
+"""One launch, every engine: the kit's strategies and DeepSpeed's ZeRO stages on the same job, same ranks.
+
+:func:`run_all` is a rank function for :func:`ddpkit.launch.launch`. On each rank it tries seed 003's
+DeepSpeed config as written, trains the kit's job with each of the kit's strategies (its Trainer), then
+with DeepSpeed at ZeRO stages 1, 2 and 3 (``deepspeed_run``), and once more at stage 1 with DeepSpeed's
+default gradient clipping. All runs share the ranks' process group; each starts from the same seed, so
+each sees the same initial weights and the same samples. Rank 0 prints a line as each run ends.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+from ddpkit import train
+from ddpkit.config import TrainConfig
+from ddpkit.engines import deepspeed_run
+from ddpkit.models import build_model
+from ddpkit.runtime import RankContext
+
+KIT_STRATEGIES = ("ddp", "zero1", "zero1-torch", "fsdp2")
+STAGES = (1, 2, 3)
+
+
+def seed_config_error(ctx: RankContext) -> str:
+    """What ``deepspeed.initialize`` says to seed 003's config, unchanged, on these ranks (its first error)."""
+    deepspeed = deepspeed_run.import_deepspeed()
+    deepspeed.init_distributed(dist_backend="gloo")
+    model = build_model(TrainConfig())
+    try:
+        deepspeed.initialize(model=model, config=copy.deepcopy(deepspeed_run.SEED_CONFIG),
+                             model_parameters=model.parameters())
+    except Exception as exc:  # noqa: BLE001 - the point is to show it
+        return f"{type(exc).__name__}: {exc}"
+    return ""
+
+
+def run_all(ctx: RankContext, cfg: TrainConfig) -> dict:
+    """Every run of the comparison on this rank (see the module docstring); rank 0's result is the report."""
+    warnings.filterwarnings("ignore", category=FutureWarning)  # torch's renamed collectives, as DeepSpeed calls them
+    say = print if ctx.is_main else (lambda *a, **k: None)
+    out: dict = {"seed_config_error": seed_config_error(ctx)}
+    say("seed 003's config as written:", out["seed_config_error"][:160], flush=True)
+    out["kit"] = {}
+    for strategy in KIT_STRATEGIES:
+        summary = train.run(ctx, cfg.replace(strategy=strategy))
+        out["kit"][strategy] = {"losses": [x["loss"] for x in summary["losses"]], "param_sha256": summary["param_sha256"],
+                                "state_bytes": summary["state_bytes_per_rank"]}
+        say(f"kit {strategy}: done", flush=True)
+    out["deepspeed"] = {}
+    for stage in STAGES:
+        out["deepspeed"][stage] = deepspeed_run.train_engine(ctx, cfg, deepspeed_run.cpu_config(cfg, ctx.world_size, stage))
+        say(f"DeepSpeed ZeRO-{stage}: done", flush=True)
+    out["default_clipping"] = deepspeed_run.train_engine(
+        ctx, cfg, deepspeed_run.cpu_config(cfg, ctx.world_size, 1, clipping=None))
+    say("DeepSpeed ZeRO-1 with gradient_clipping left out: done", flush=True)
+    return out
