@@ -40,16 +40,3 @@ def train_summary(tmp_path: Path, name: str, *args: str) -> dict:
 def summary(tmp_path):
     return lambda name, *args: train_summary(tmp_path, name, *args)
 
-
-def pytest_collection_modifyitems(config, items):
-    """Under ``pytest -n N --dist loadgroup`` (pytest-xdist), keep together what must run in one process:
-    every test module on one worker (its module-scoped fixtures start their ranks once), every notebook's
-    cells in one kernel (nbval runs them in order). Only the notebook tests of ``test_notebooks.py``, each a
-    whole papermill run in a fresh kernel, are spread one by one over the workers."""
-    for item in items:
-        path = item.path
-        if path.name == "test_notebooks.py" and "[" in item.name:
-            group = item.name
-        else:
-            group = str(path)
-        item.add_marker(pytest.mark.xdist_group(group))
