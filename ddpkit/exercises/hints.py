@@ -19,7 +19,9 @@ HINTS = {
     'ring_all_reduce': [
         'torch.tensor_split(tensor, world) gives N views, even when the length does not divide.',
         'In reduce-scatter step s, rank r sends chunk (r - s) mod N and receives chunk (r - s - 1) mod N.',
-        'Post the send and the receive together (batch_isend_irecv, or isend then recv), or every rank blocks in send.',
+        'Post each step\'s send and receive together, in one dist.batch_isend_irecv (one NCCL group), or order them '
+        'by parity (even ranks send then receive, odd ranks receive then send): a send may wait for its receive, as '
+        'on NCCL, so if every rank sends first, every rank waits.',
     ],
     'zero1': [
         'Flatten all parameters into one vector and pad it to a multiple of the world size.',
