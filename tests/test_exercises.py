@@ -854,6 +854,220 @@ def test_rank_wiring_check(verdicts):
     assert "with fewer GPUs than ranks on the node" in v(check_rank_wiring, gpu_whenever_there_is_one).message
 
 
+# --------------------------------------------------------------------------- reshard after forward (lesson 10b)
+
+from ddpkit.exercises.resharding_memory import check_held_between  # noqa: E402
+
+held_between = load("10b_reshard_after_forward.ipynb", "held_between")
+
+
+def whole_parameters_only(shapes, world, rank, reshard_after_forward):  # forgets the shards under ZeRO-2 behaviour
+    import math
+
+    return held_between(shapes, world, rank, True) if reshard_after_forward else sum(math.prod(s) * 4 for s in shapes)
+
+
+def an_even_split(shapes, world, rank, reshard_after_forward):  # P/N on every rank, not torch.chunk's rows
+    import math
+
+    total = sum(math.prod(s) * 4 for s in shapes)
+    return total // world + (0 if reshard_after_forward else total)
+
+
+def the_other_setting(shapes, world, rank, reshard_after_forward):
+    return held_between(shapes, world, rank, not reshard_after_forward)
+
+
+def the_kits_calculator(shapes, world, rank, reshard_after_forward):
+    import math
+
+    from ddpkit.parallel import memory
+
+    sizes = [math.prod(s) for s in shapes]
+    return memory.bytes_per_rank(sum(sizes), "fsdp2" if reshard_after_forward else "zero2", world,
+                                 param_sizes=sizes)["params"]
+
+
+grade(check_held_between, held_between, whole_parameters_only, an_even_split, the_other_setting, the_kits_calculator)
+
+
+def test_reshard_after_forward_check(verdicts):
+    v = verdicts
+    assert v(check_held_between, held_between).passed
+    assert "what stays allocated besides the gathered parameters?" in v(check_held_between, whole_parameters_only).message
+    assert "with torch.chunk's cut?" in v(check_held_between, an_even_split).message
+    assert "which one frees the gathered parameters after forward?" in v(check_held_between, the_other_setting).message
+    assert "uses the kit's own calculator" in v(check_held_between, the_kits_calculator).message
+    assert all(len(v(check_held_between, fn).message) < 200 for fn in (whole_parameters_only, an_even_split, the_other_setting))
+
+
+# --------------------------------------------------------------------------- ring attention's step (lesson 17)
+
+from ddpkit.exercises.attention import check_attend_block  # noqa: E402
+
+attend_block = load("17_ring_attention_step.ipynb", "attend_block")
+
+
+def adds_the_outputs(q, k, v, out, lse):  # each block normalised by its own denominator, never re-weighted
+    block_out, block_lse = attend_block(q, k, v, None, None)
+    return (block_out, block_lse) if out is None else (out + block_out, torch.logaddexp(lse, block_lse))
+
+
+def raw_exponentials(q, k, v, out, lse):  # right in exact arithmetic; exp overflows float32 past 88.7
+    e = torch.exp(q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5)
+    block_lse, block_out = e.sum(-1).log(), (e / e.sum(-1, keepdim=True)) @ v
+    if out is None:
+        return block_out, block_lse
+    new = (lse.exp() + block_lse.exp()).log()
+    return (lse - new).exp().unsqueeze(-1) * out + (block_lse - new).exp().unsqueeze(-1) * block_out, new
+
+
+SEEN_BLOCKS = []  # where a cheat keeps every block it was given
+
+
+def keeps_every_block(q, k, v, out, lse):  # exact, by holding all of K and V: what ring attention avoids
+    if out is None:
+        SEEN_BLOCKS.clear()
+    SEEN_BLOCKS.append((k, v))
+    keys, values = torch.cat([b[0] for b in SEEN_BLOCKS], -2), torch.cat([b[1] for b in SEEN_BLOCKS], -2)
+    scores = q @ keys.transpose(-2, -1) * q.shape[-1] ** -0.5
+    return torch.softmax(scores, -1) @ values, torch.logsumexp(scores, -1)
+
+
+def gathers_the_keys(q, k, v, out, lse):  # a collective inside the step: the ring's job, done by all-gather
+    keys = [torch.empty_like(k) for _ in range(dist.get_world_size())]
+    dist.all_gather(keys, k.contiguous())
+    return attend_block(q, k, v, out, lse)
+
+
+def the_kits_merge(q, k, v, out, lse):
+    from ddpkit.parallel.context import block_attention, merge
+
+    return merge(out, lse, *block_attention(q, k, v, q.shape[-1] ** -0.5, False))
+
+
+grade(check_attend_block, attend_block, adds_the_outputs, raw_exponentials, keeps_every_block, gathers_the_keys,
+      the_kits_merge)
+
+
+def test_ring_attention_step_check(verdicts):
+    v = verdicts
+    assert v(check_attend_block, attend_block).passed
+    assert "how much of the total is each?" in v(check_attend_block, adds_the_outputs).message
+    assert "with scores near 100 the output holds inf or NaN" in v(check_attend_block, raw_exponentials).message
+    assert "changed when another set's blocks were merged" in v(check_attend_block, keeps_every_block).message
+    assert "calls dist.all_gather, a collective" in v(check_attend_block, gathers_the_keys).message
+    assert "uses the kit's own" in v(check_attend_block, the_kits_merge).message
+    assert all(len(v(check_attend_block, fn).message) < 200 for fn in (adds_the_outputs, raw_exponentials, keeps_every_block))
+
+
+# --------------------------------------------------------------------------- all-to-all dispatch (lesson 18)
+
+from ddpkit.exercises.dispatch import check_dispatch  # noqa: E402
+
+dispatch = load("18_expert_dispatch.ipynb", "dispatch")
+
+
+def receives_what_it_sends(rows, counts):  # no count exchange: assumes its peers routed as it did
+    world = dist.get_world_size()
+    guess = counts.view(world, -1)
+    received = rows.new_empty((int(guess.sum()), rows.shape[1]))
+    dist.all_to_all_single(received, rows.contiguous(), guess.sum(1).tolist(), guess.sum(1).tolist())
+    return received, guess
+
+
+def counts_by_expert_then_source(rows, counts):  # the right rows, per_source laid out (local expert, source)
+    received, per_source = dispatch(rows, counts)
+    return received, per_source.t().contiguous().view(per_source.shape)
+
+
+def gathers_every_row(rows, counts):  # every rank gets every rank's rows, then keeps its experts'
+    world, rank = dist.get_world_size(), dist.get_rank()
+    local = counts.numel() // world
+    all_counts = [torch.empty_like(counts) for _ in range(world)]
+    dist.all_gather(all_counts, counts)
+    sizes = [int(c.sum()) for c in all_counts]
+    everything = [rows.new_empty((n, rows.shape[1])) for n in sizes]
+    dist.all_gather(everything, rows.contiguous())
+    mine = [torch.split(e, c.tolist())[rank * local:(rank + 1) * local] for e, c in zip(everything, all_counts)]
+    return torch.cat([t for parts in mine for t in parts]), torch.stack([c[rank * local:(rank + 1) * local] for c in all_counts])
+
+
+def the_kits_exchange(rows, counts):
+    from ddpkit.parallel.expert_parallel import AllToAll, exchange_counts
+
+    world = dist.get_world_size()
+    per_source = exchange_counts(counts, dist.group.WORLD)
+    return AllToAll.apply(rows, per_source.sum(1).tolist(), counts.view(world, -1).sum(1).tolist(),
+                          dist.group.WORLD), per_source
+
+
+grade(check_dispatch, dispatch, receives_what_it_sends, counts_by_expert_then_source, gathers_every_row,
+      the_kits_exchange)
+
+
+def test_expert_dispatch_check(verdicts):
+    v = verdicts
+    assert v(check_dispatch, dispatch).passed
+    assert "does each receiver know how many rows every peer sends it?" in v(check_dispatch, receives_what_it_sends).message
+    assert "one row per source rank, one column per local expert" in v(check_dispatch, counts_by_expert_then_source).message
+    assert "calls dist.all_gather, which hands every rank every row" in v(check_dispatch, gathers_every_row).message
+    assert "uses the kit's own" in v(check_dispatch, the_kits_exchange).message
+    assert all(len(v(check_dispatch, fn).message) < 200 for fn in (receives_what_it_sends, counts_by_expert_then_source))
+
+
+# --------------------------------------------------------------------------- the flight recorder's culprit (lesson 20)
+
+from ddpkit.exercises.flight_culprit import check_culprit  # noqa: E402
+
+culprit = load("20_flight_culprit.ipynb", "culprit")
+
+
+def _call(entry):
+    return entry["profiling_name"], str(entry["input_sizes"]), str(entry["input_dtypes"])
+
+
+def against_rank_0(dumps):  # torch's analyzer's rule: whoever differs from the first rank is to blame
+    first = {e["collective_seq_id"]: _call(e) for e in dumps[0]["entries"]}
+    for rank in sorted(dumps)[1:]:
+        for e in dumps[rank]["entries"]:
+            if first.get(e["collective_seq_id"]) != _call(e):
+                return rank, e["collective_seq_id"]
+    return None, None
+
+
+def the_first_entry(dumps):  # the right rank, but the first entry's number, where every rank still agreed
+    rank, _ = culprit(dumps)
+    return rank, dumps[rank]["entries"][0]["collective_seq_id"]
+
+
+def the_kits_analyzer(dumps):
+    import os
+    import pickle
+
+    from ddpkit.debug import flight
+
+    folder = os.path.join(os.environ.get("TMPDIR", "/tmp"), "fr-kit")
+    os.makedirs(folder, exist_ok=True)
+    for rank, dump in dumps.items():
+        with open(os.path.join(folder, f"fr_rank_{rank}"), "wb") as handle:
+            pickle.dump(dump, handle)
+    found = flight.analyze(folder)
+    return found.culprits[0], found.seq
+
+
+grade(check_culprit, culprit, against_rank_0, the_first_entry, the_kits_analyzer)
+
+
+def test_flight_culprit_check(verdicts):
+    v = verdicts
+    assert v(check_culprit, culprit).passed
+    assert "which rank is the odd one out? (it can be the first rank)" in v(check_culprit, against_rank_0).message
+    assert "is not where the ranks first disagree" in v(check_culprit, the_first_entry).message
+    assert "uses the kit's own Flight Recorder analysis" in v(check_culprit, the_kits_analyzer).message
+    assert all(len(v(check_culprit, fn).message) < 200 for fn in (against_rank_0, the_first_entry))
+
+
 # --------------------------------------------------------------------------- build it live
 
 (BuildConfig, build_model_and_optimizer, broadcast_solution, run_solution) = load(
