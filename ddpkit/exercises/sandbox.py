@@ -11,9 +11,10 @@ FOLDER`` in its own session. The child, before importing the submission:
 3. measures this machine's baseline (:mod:`ddpkit.exercises.timing`) and writes it down, so the parent
    can size the wall-clock limit.
 
-Then it imports the submission (its output goes to a log nobody grades), runs the exercise's checks on
-real ranks, and writes ``result.json``: JSON only, never a pickle, so nothing the learner's process
-writes can run code in the parent. The parent kills the whole session when the wall-clock limit passes
+Then, for each case it was given (one for a learner's notebook; several when a test grades many variants
+at once, :func:`run_many`), it forks a process that imports the submission (its output goes to a log
+nobody grades), runs the exercise's checks on real ranks, and writes the case's ``result.json``: JSON
+only, never a pickle, so nothing the learner's process writes can run code in the parent. The parent kills the whole session when the wall-clock limit passes
 or when its resident memory exceeds the limit, and then says whether it was still computing (too slow)
 or waiting (hung).
 """
