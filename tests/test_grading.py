@@ -78,7 +78,8 @@ def test_ddpkit_check_grades_a_mixed_room_from_the_code_alone(tmp_path):
                                     "def check_ring_all_reduce(fn):\n    return 'PASSED'")),  # prints its own verdict
         "cy": notebook_with(ALIAS_AND_DECOYS),  # all_reduce under another name, behind decoy messages
         "dee": notebook_with("def ring_all_reduce(tensor)\n    return tensor"),  # does not parse
-        "eve": notebook_with("import time\n\n\ndef ring_all_reduce(tensor):\n    time.sleep(3600)"),  # hangs
+        "eve": notebook_with("import time\nimport torch.distributed as dist\n\n\ndef ring_all_reduce(tensor):\n"
+                             "    if dist.get_rank() == 1:\n        time.sleep(3600)\n    dist.recv(tensor, 1)"),  # rank 1 hangs
         "gus": notebook_with("from ddpkit.parallel.comm import ring_all_reduce"),  # the kit's answer
     }
     for name, nb in learners.items():
@@ -101,7 +102,7 @@ def test_ddpkit_check_grades_a_mixed_room_from_the_code_alone(tmp_path):
     assert "not implemented yet" in lines["bob"]
     assert "calls dist.all_reduce, a collective" in lines["cy"] or "ran a collective (allreduce)" in lines["cy"], lines["cy"]
     assert "SyntaxError" in lines["dee"]
-    assert "hung" in lines["eve"] or "too slow" in lines["eve"]
+    assert "rank 1 hung" in lines["eve"], lines["eve"]  # named, within a limit sized from the machine's speed
     assert "the kit's own ring" in lines["gus"]
     assert "published solution, unchanged" in proc.stdout
     assert all(len(line.split(": ", 1)[-1]) < 200 for line in lines.values())
@@ -188,12 +189,9 @@ KIT_ANSWERS = [  # the kit's own answer, or PyTorch's, reached under the contrac
 
 
 def test_the_kits_and_torchs_own_answers_are_refused_and_a_constant_fails():
-    from concurrent.futures import ThreadPoolExecutor
-
     from ddpkit.exercises import sandbox
 
-    with ThreadPoolExecutor(2) as pool:
-        found = list(pool.map(lambda case: sandbox.run(case[0], case[1]), KIT_ANSWERS))
+    found = sandbox.run_many([{"exercise": exercise, "code": code} for exercise, code, _ in KIT_ANSWERS])  # one sandbox
     for (exercise, _, says), rows in zip(KIT_ANSWERS, found):
         assert len(rows) == 1 and not rows[0]["passed"] and says in rows[0]["message"], (exercise, rows)
         assert len(rows[0]["message"]) < 200

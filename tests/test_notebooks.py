@@ -317,6 +317,7 @@ def check_19(records):
 def check_17(records):
     sp = records["sp_unsplit"]
     assert sp["max_diff"] <= 1e-6 and sp["no_sync_diff"] > 1e-3 and sp["forward_all_gathers"] == 2 * sp["layers"] + 1
+    assert sp["backward"] == {"all_gather": 4 * sp["layers"] + 1, "reduce_scatter": 2 * sp["layers"], "all_reduce": 1}
     t = records["sp_bytes"]["t"]
     assert all(row["measured"] == row["formula"] for mode, row in records["sp_bytes"].items() if mode != "t")
     assert records["sp_bytes"]["sp"]["measured"] * t == records["sp_bytes"]["none"]["measured"]
@@ -324,12 +325,17 @@ def check_17(records):
     assert records["ring"]["max_diff"] <= 1e-5 and records["ring"]["no_rescale_diff"] > 0.1
     balance = records["balance"]
     assert len(set(balance["zigzag"])) == 1 and balance["contiguous"][-1] > balance["contiguous"][0]
+    assert balance["measured"] == {"zigzag": balance["zigzag"], "contiguous": balance["contiguous"]}
     assert balance["cpu_ratio"][-1] > 1.3 * balance["cpu_ratio"][0]
     assert records["overlap"]["hidden_s"] < records["overlap"]["exposed_s"]
     assert all(r == records["memory"]["world"] for r in records["memory"]["ratios"])
     assert records["gpt"]["max_diff"] <= 1e-6 and records["gpt"]["bytes_ratio"] == records["memory"]["world"]
     cp = records["torch_cp"]
-    assert cp["ran"] or "does not have a sharding strategy" in cp["error"] or "ImportError" in cp["error"]
+    if cp["expected"] == "refused on CPU":  # torch 2.5+ on CPU: no sharding rule for SDPA's CPU flash kernel
+        assert not cp["ran"] and cp["error"].startswith("NotImplementedError: Operator "
+                                                        "aten._scaled_dot_product_flash_attention_for_cpu.default")
+    else:
+        assert cp["ran"] == (cp["expected"] == "runs")
 
 
 def check_18(records):
@@ -343,8 +349,10 @@ def check_18(records):
     split = records["expert_parallel"]
     assert split["max_diff"] <= 1e-5 and split["dropped"] > 0 and split["uneven"]
     assert records["negative"]["no_capacity_diff"] > 1e-3 and records["negative"]["no_exchange_failed"]
+    assert records["negative"]["gloo_size_check"], "gloo aborts the rank that received more rows than it expected"
     cost = records["cost"]
-    assert all(abs(d - b) <= 0.35 * b for d, b in zip(cost["dispatch"], cost["balanced"])) and cost["bandwidth"] > 0
+    assert all(abs(d - b) <= 0.10 * b for d, b in zip(cost["dispatch"], cost["balanced"])) and cost["bandwidth"] > 0
+    assert abs(cost["largest_fit_ratio"] - 1) < 0.4
 
 
 def check_20(records):

@@ -123,6 +123,7 @@ def graded(exercise: str, check: str):
             from ddpkit.exercises.sandbox import check_objects
 
             return check_objects(exercise, check, objects)
+        wrapper.exercise, wrapper.check = exercise, check  # which exercise's check it is, for batch grading
         return wrapper
     return decorate
 

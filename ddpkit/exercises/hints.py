@@ -19,7 +19,9 @@ HINTS = {
     'ring_all_reduce': [
         'torch.tensor_split(tensor, world) gives N views, even when the length does not divide.',
         'In reduce-scatter step s, rank r sends chunk (r - s) mod N and receives chunk (r - s - 1) mod N.',
-        'Post the send and the receive together (batch_isend_irecv, or isend then recv), or every rank blocks in send.',
+        'Post each step\'s send and receive together, in one dist.batch_isend_irecv (one NCCL group), or order them '
+        'by parity (even ranks send then receive, odd ranks receive then send): a send may wait for its receive, as '
+        'on NCCL, so if every rank sends first, every rank waits.',
     ],
     'zero1': [
         'Flatten all parameters into one vector and pad it to a multiple of the world size.',
@@ -85,5 +87,25 @@ HINTS = {
         'Every value in env is a string: convert with int().',
         'The GPU index is the local rank, not the global rank.',
         'Use a GPU only if gpus_on_node >= LOCAL_WORLD_SIZE.',
+    ],
+    'attend_block': [
+        "A block's own attention is softmax(q k^T / sqrt(D)) v; its log-denominator is torch.logsumexp of the scores.",
+        'Over two key sets the denominator is e^lse1 + e^lse2: torch.logaddexp(lse1, lse2) gives its log.',
+        'Scale each partial output by exp(its lse - the new lse) (unsqueeze(-1) to broadcast), then add them.',
+    ],
+    'dispatch': [
+        'Two all-to-alls: first the counts (so every receiver can size its buffer), then the rows.',
+        'dist.all_to_all_single(out, counts) sends counts[j*E/N:(j+1)*E/N] to rank j: exactly its experts\' counts.',
+        'input_split_sizes = counts.view(N, -1).sum(1); output_split_sizes = the received counts summed per source.',
+    ],
+    'held_between': [
+        'Two parts: the shards (always there: the optimizer steps on them) and the gathered whole parameters.',
+        'torch.chunk(10 rows, 3) gives 4, 4, 2: rank r keeps max(0, min(ceil(rows/world), rows - r*ceil(rows/world))) rows.',
+        'reshard_after_forward=True frees the gathered parameters after forward; False keeps them until backward.',
+    ],
+    'culprit': [
+        'Group every rank\'s entries by collective_seq_id: the same number is the same call on every rank.',
+        'At each number compare (profiling_name, input_sizes, input_dtypes) across ranks; a rank with no entry differs too.',
+        'At the first number that differs, the culprit is the rank that disagrees with the majority, not with rank 0.',
     ],
 }

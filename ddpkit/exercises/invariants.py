@@ -2,8 +2,8 @@
 
 The contract: ``same_everywhere(model) -> bool``, called by every rank: True on every rank when all ranks
 hold exactly the same parameters, False on every rank as soon as one differs anywhere (even in the last
-bit of one element). The check runs it on 3 real ranks: identical replicas, then one rank's single
-element nudged by one unit in the last place, then a nudge that keeps the parameters' norm equal.
+bit of one element). The check runs it on 2, 3 and 4 real ranks: identical replicas, then the last rank's
+single element nudged by one unit in the last place, then a nudge that keeps the parameters' norm equal.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch.nn as nn
 
 from ddpkit.exercises import Result, graded, run_on_ranks
 
-WORLD = 3
+WORLDS = (3, 2, 4)
 
 
 def _on_rank(ctx, fn) -> list[bool]:
@@ -21,7 +21,7 @@ def _on_rank(ctx, fn) -> list[bool]:
     for case in ("equal", "one ulp", "same norm"):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
-        if ctx.rank == 1 and case != "equal":
+        if ctx.rank == ctx.world_size - 1 and case != "equal":
             with torch.no_grad():
                 w = model[0].weight
                 if case == "one ulp":
@@ -34,16 +34,18 @@ def _on_rank(ctx, fn) -> list[bool]:
 
 @graded("15_same_everywhere", "same_everywhere")
 def check_same_everywhere(fn) -> Result:
-    runs = run_on_ranks(getattr(fn, "__name__", "same_everywhere"), _on_rank, fn, world_size=WORLD)
-    if isinstance(runs, Result):
-        return runs
-    for k, case in enumerate(("identical replicas", "one element one ulp apart on rank 1",
-                              "two elements swapped on rank 1 (the same norm)")):
-        answers = [run[k] for run in runs]
-        if len(set(answers)) > 1:
-            return Result(False, f"with {case}, the ranks answered {answers}: every rank must reach the same verdict "
-                                 f"(compare through a collective, e.g. all-gather a hash and compare)")
-        if answers[0] != (k == 0):
-            hint = "" if k == 0 else ": a norm or a sum cannot see it; compare the bytes (a hash of every tensor)"
-            return Result(False, f"with {case}, every rank answered {answers[0]}{hint}")
-    return Result(True, f"same verdict on all {WORLD} ranks; one ulp and a norm-preserving swap both caught")
+    for world in WORLDS:
+        runs = run_on_ranks(getattr(fn, "__name__", "same_everywhere"), _on_rank, fn, world_size=world)
+        if isinstance(runs, Result):
+            return runs
+        last = world - 1
+        for k, case in enumerate(("identical replicas", f"one element one ulp apart on rank {last}",
+                                  f"two elements swapped on rank {last} (the same norm)")):
+            answers = [run[k] for run in runs]
+            if len(set(answers)) > 1:
+                return Result(False, f"on {world} ranks with {case}, the ranks answered {answers}: every rank must "
+                                     f"reach the same verdict (compare through a collective)")
+            if answers[0] != (k == 0):
+                hint = "" if k == 0 else ": a norm or a sum cannot see it; compare the bytes (a hash of every tensor)"
+                return Result(False, f"on {world} ranks with {case}, every rank answered {answers[0]}{hint}")
+    return Result(True, "the same verdict on every rank of 2, 3 and 4; one ulp and a norm-preserving swap both caught")

@@ -3,8 +3,9 @@
 The contract: ``load_shard(files, rank, world, numel) -> tensor``: ``files`` are the paths of the shards
 that N ranks wrote (rank r's flat shard of a ``numel``-long vector, ceil(numel/N) long, the last padded
 with zeros), in rank order; return this rank's shard for a world of ``world`` ranks (ceil(numel/world)
-long, the last padded with zeros). The check writes the shards from 4 real ranks, loads them on 2 and on
-3, and compares the reassembled vector with the original.
+long, the last padded with zeros). The check writes the shards of 4 ranks and loads them on 2 and on 3
+real ranks, then writes those of 3 and loads them on 4, and compares each reassembled vector with the
+original (so no world size, old or new, can be assumed).
 """
 
 from __future__ import annotations
@@ -24,13 +25,19 @@ def _original() -> torch.Tensor:
     return torch.arange(NUMEL, dtype=torch.float32) * 0.5 - 7
 
 
-def _write(ctx, root: str) -> str:
-    shard = math.ceil(NUMEL / ctx.world_size)
-    padded = torch.zeros(shard * ctx.world_size)
+PLANS = ((4, 2), (4, 3), (3, 4))  # (written by, loaded on)
+
+
+def _write(root: str, world: int) -> list[str]:
+    """The files ``world`` ranks write (each its own padded slice: the bytes a rank's ``torch.save`` makes)."""
+    shard = math.ceil(NUMEL / world)
+    padded = torch.zeros(shard * world)
     padded[:NUMEL] = _original()
-    path = os.path.join(root, f"shard-{ctx.rank}-of-{ctx.world_size}.pt")
-    torch.save(padded[ctx.rank * shard:(ctx.rank + 1) * shard].clone(), path)
-    return path
+    paths = []
+    for rank in range(world):
+        paths.append(os.path.join(root, f"shard-{rank}-of-{world}.pt"))
+        torch.save(padded[rank * shard:(rank + 1) * shard].clone(), paths[-1])
+    return paths
 
 
 def _read(ctx, fn, files: list[str]) -> torch.Tensor:
@@ -40,10 +47,8 @@ def _read(ctx, fn, files: list[str]) -> torch.Tensor:
 @graded("11_load_shard", "load_shard")
 def check_load_shard(fn) -> Result:
     with tempfile.TemporaryDirectory(prefix="ddpkit-check-reshard-") as root:
-        files = run_on_ranks("load_shard", _write, root, world_size=4)
-        if isinstance(files, Result):
-            return files
-        for world in (2, 3):
+        for old, world in PLANS:
+            files = _write(root, old)
             shards = run_on_ranks(getattr(fn, "__name__", "load_shard"), _read, fn, files, world_size=world)
             if isinstance(shards, Result):
                 return shards
@@ -55,9 +60,10 @@ def check_load_shard(fn) -> Result:
             whole = torch.cat(shards)
             if not torch.equal(whole[:NUMEL], _original()):
                 first = int((whole[:NUMEL] != _original()).nonzero()[0])
-                return Result(False, f"saved on 4 ranks, loaded on {world}: element {first} is {float(whole[first]):g}, not "
+                return Result(False, f"saved on {old} ranks, loaded on {world}: element {first} is {float(whole[first]):g}, not "
                                      f"{float(_original()[first]):g}: concatenate the old shards, drop their padding, then "
                                      f"cut the new ones")
             if whole[NUMEL:].abs().sum() != 0:
                 return Result(False, f"on {world} ranks the padding past element {NUMEL} is not zero: the old padding leaked in")
-    return Result(True, f"saved as 4 shards, loaded exactly on 2 and on 3 ranks ({NUMEL} elements, padding included)")
+    return Result(True, f"saved as 4 shards and loaded exactly on 2 and 3 ranks, saved as 3 and loaded on 4 ({NUMEL} "
+                        f"elements, padding included)")

@@ -11,9 +11,10 @@ FOLDER`` in its own session. The child, before importing the submission:
 3. measures this machine's baseline (:mod:`ddpkit.exercises.timing`) and writes it down, so the parent
    can size the wall-clock limit.
 
-Then it imports the submission (its output goes to a log nobody grades), runs the exercise's checks on
-real ranks, and writes ``result.json``: JSON only, never a pickle, so nothing the learner's process
-writes can run code in the parent. The parent kills the whole session when the wall-clock limit passes
+Then, for each case it was given (one for a learner's notebook; several when a test grades many variants
+at once, :func:`run_many`), it forks a process that imports the submission (its output goes to a log
+nobody grades), runs the exercise's checks on real ranks, and writes the case's ``result.json``: JSON
+only, never a pickle, so nothing the learner's process writes can run code in the parent. The parent kills the whole session when the wall-clock limit passes
 or when its resident memory exceeds the limit, and then says whether it was still computing (too slow)
 or waiting (hung).
 """
@@ -42,16 +43,34 @@ def run(exercise_id: str, code: str | None = None, *, checks: list[str] | None =
     """Grade ``code`` (the learner's cells, as one module) for ``exercise_id``; one dict per check:
     ``check``, ``passed``, ``message``. ``objects`` names, for each contract name, where to find it
     (``"module:qualname"`` for an importable object) when it is not defined in ``code``."""
+    case = {"exercise": exercise_id, "code": code, "checks": checks, "objects": objects}
+    return run_many([case], time_scale=time_scale, memory_mb=memory_mb)[0]
+
+
+def run_many(cases: list[dict], *, time_scale: float = 1.0, memory_mb: int = MEMORY_MB,
+             preload: list[str] | tuple = ()) -> list[list[dict]]:
+    """Grade several cases (each a dict with ``exercise``, ``code`` and optionally ``checks`` and
+    ``objects``, as :func:`run` takes them) in ONE sandbox: Python, torch and the machine's baseline are
+    paid once, then each case runs in its own child forked from it, so no state one case leaves behind
+    reaches the next. The limits are the sum of the cases' (one hung case costs the whole batch its time:
+    batch code whose worst outcome is bounded by the checks themselves). ``preload`` names trusted modules
+    (a test module holding many cases' objects) imported once before the cases fork, and so before any
+    witness watches: never a learner's. One list of rows per case."""
     from ddpkit.exercises import catalog
 
-    ex = catalog.exercise(exercise_id)
-    wanted = list(checks or ex.checks)
     folder = tempfile.mkdtemp(prefix="ddpkit-sandbox-")
-    with open(os.path.join(folder, "submission.py"), "w") as handle:
-        handle.write(code or "")
+    requested, budget = [], 0.0
+    for i, case in enumerate(cases):
+        ex = catalog.exercise(case["exercise"])
+        wanted = list(case.get("checks") or ex.checks)
+        budget += ex.budget_units
+        os.makedirs(os.path.join(folder, f"case-{i}"))
+        with open(os.path.join(folder, f"case-{i}", "submission.py"), "w") as handle:
+            handle.write(case.get("code") or "")
+        requested.append({"exercise": ex.id, "checks": wanted, "objects": case.get("objects") or {}})
     with open(os.path.join(folder, "request.json"), "w") as handle:
-        json.dump({"exercise": exercise_id, "checks": wanted, "objects": objects or {},
-                   "sys_path": [os.path.abspath(p) for p in sys.path if p and os.path.isdir(p)], "time_scale": time_scale}, handle)
+        json.dump({"cases": requested, "preload": list(preload), "sys_path": [os.path.abspath(p) for p in sys.path if p and os.path.isdir(p)],
+                   "time_scale": time_scale}, handle)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
                                                             "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")}
     env.update({IN_SANDBOX_ENV: "1", "TMPDIR": folder, "PYTHONDONTWRITEBYTECODE": "1", "OMP_NUM_THREADS": "1",
@@ -59,11 +78,11 @@ def run(exercise_id: str, code: str | None = None, *, checks: list[str] | None =
     with open(os.path.join(folder, "output.log"), "wb") as log:
         proc = subprocess.Popen([sys.executable, "-m", "ddpkit.exercises.sandbox", folder], cwd=folder, env=env,
                                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        verdict = _watch(proc, folder, ex.budget_units * time_scale, memory_mb)
+        verdict = _watch(proc, folder, budget * time_scale, memory_mb)
     try:
         if verdict is None:
-            return _read_results(folder, wanted)
-        return [{"check": name, "passed": False, "message": verdict} for name in wanted]
+            return [_read_results(os.path.join(folder, f"case-{i}"), r["checks"]) for i, r in enumerate(requested)]
+        return [[{"check": name, "passed": False, "message": verdict} for name in r["checks"]] for r in requested]
     finally:
         import shutil
 
@@ -149,7 +168,7 @@ def check_objects(exercise_id: str, check: str, objects: tuple) -> Result:
 def _child(folder: str) -> None:
     with open(os.path.join(folder, "request.json")) as handle:
         request = json.load(handle)
-    sys.path[:0] = [folder, *request["sys_path"]]
+    sys.path[:0] = [*request["sys_path"]]
     from ddpkit.exercises import confine
 
     isolation = confine.landlock_writes_only_under([folder, "/dev/shm", "/dev/null"])
@@ -160,26 +179,54 @@ def _child(folder: str) -> None:
 
     from ddpkit.exercises import catalog, witness
 
-    ex = catalog.exercise(request["exercise"])
-    learner_file = os.path.join(folder, "submission.py")
-    log = os.path.join(folder, "findings.log")
-    watcher = witness.ForbiddenCalls(ex.forbidden, {learner_file}, log)
-    guard = confine.AuditGuard(folder, {learner_file}, log)
-    checks = {name: catalog.check_of(ex.id, name) for name in request["checks"]}
+    for case in request["cases"]:  # the check modules, imported once before the cases fork
+        for name in case["checks"]:
+            catalog.check_of(case["exercise"], name)
     from ddpkit.launch import _import_what_ranks_need
 
     _import_what_ranks_need()
+    import importlib
+
+    for module in request.get("preload", []):
+        importlib.import_module(module)
     seconds = timing.probe()
     with open(os.path.join(folder, "baseline.json"), "w") as handle:
         json.dump({"seconds": seconds, "isolation": isolation}, handle)
     witness.install_file_witness()
+    for i, case in enumerate(request["cases"]):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:  # the case runs here; the sandbox's own process stays as the learner found it
+            try:
+                _case(os.path.join(folder, f"case-{i}"), case)
+            finally:
+                os._exit(0)
+        os.waitpid(pid, 0)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _case(folder: str, case: dict) -> None:
+    """One case, in its own forked process: watch what runs, import the learner's code, run its checks,
+    write ``result.json`` in the case's folder."""
+    from ddpkit.exercises import catalog, confine, witness
+
+    sys.path.insert(0, folder)  # importable by spawned ranks too, as ``submission``
+    ex = catalog.exercise(case["exercise"])
+    learner_file = os.path.join(folder, "submission.py")
+    log = os.path.join(folder, "findings.log")
+    watcher = witness.ForbiddenCalls(ex.forbidden, {learner_file}, log)
+    guard = confine.AuditGuard(os.path.dirname(folder), {learner_file}, log)
+    checks = {name: catalog.check_of(ex.id, name) for name in case["checks"]}
     watcher.install()
     guard.install()
     results = []
     try:
-        namespace = _import_submission(learner_file, request["objects"])
+        namespace = _import_submission(learner_file, case["objects"])
         loaded = None
-        for name in request["objects"]:  # code given by reference (a module's object) is the learner's too
+        for name in case["objects"]:  # code given by reference (a module's object) is the learner's too
             from ddpkit.exercises.sources import _code_file
 
             extra = _code_file(namespace[name])
@@ -198,7 +245,6 @@ def _child(folder: str) -> None:
     os.replace(tmp, os.path.join(folder, "result.json"))
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
 
 
 def _import_submission(path: str, objects: dict[str, str]) -> dict[str, Any]:

@@ -2,10 +2,10 @@
 
 The contract: ``copy_to_parallel(x)`` (f: the identity in forward, an all-reduce of the gradient in
 backward) and ``reduce_from_parallel(x)`` (g: an all-reduce in forward, the identity in backward), both
-over the default process group. The check builds an MLP split over 2 real ranks with them (first layer
-by output columns, second by input rows, the pattern of every transformer block), compares its output
-and the gradient of its input with the whole MLP's, and counts the all-reduces: one in forward, one in
-backward.
+over the default process group. The check builds an MLP split over 2, 3 and 4 real ranks with them
+(first layer by output columns, second by input rows, the pattern of every transformer block), compares
+its output and the gradient of its input with the whole MLP's, and counts the all-reduces: one in
+forward, one in backward.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from ddpkit.exercises import Result, Wrong, graded, run_on_ranks
 
-WORLD, D, H = 2, 8, 16
+WORLDS, D, H = (2, 3, 4), 8, 24  # H divides by every world size
 
 
 def _weights():
@@ -33,7 +33,7 @@ def _on_rank(ctx, f, g) -> dict:
     whole_in = x.clone().requires_grad_(True)
     whole = F.linear(F.gelu(F.linear(whole_in, w1, b1)), w2, b2)
     whole.sum().backward()
-    rows = slice(ctx.rank * H // WORLD, (ctx.rank + 1) * H // WORLD)
+    rows = slice(ctx.rank * H // ctx.world_size, (ctx.rank + 1) * H // ctx.world_size)
     calls = {"n": 0}
     original = c10d.all_reduce
 
@@ -59,19 +59,21 @@ def _on_rank(ctx, f, g) -> dict:
 
 @graded("12_f_and_g", "f_and_g")
 def check_f_and_g(copy_to_parallel, reduce_from_parallel) -> Result:
-    runs = run_on_ranks(getattr(copy_to_parallel, "__name__", "copy_to_parallel"), _on_rank, copy_to_parallel,
-                        reduce_from_parallel, world_size=WORLD)
-    if isinstance(runs, Result):
-        return runs
-    run = max(runs, key=lambda r: (r["out"], r["grad"]))
-    if run["out"] > 1e-5:
-        return Result(False, f"the split MLP's output differs from the whole one by {run['out']:.2e}: each rank holds a "
-                             f"partial sum, so reduce_from_parallel (g) must all-reduce in forward")
-    if run["grad"] > 1e-5:
-        return Result(False, f"the input's gradient differs from the whole MLP's by {run['grad']:.2e}: each rank computed "
-                             f"only its part, so copy_to_parallel (f) must all-reduce the gradient in backward")
-    if (run["forward"], run["backward"]) != (1, 1):
-        return Result(False, f"{run['forward']} all-reduce(s) in forward and {run['backward']} in backward, not 1 and 1: f is "
-                             f"the identity in forward, g the identity in backward")
-    return Result(True, "the split MLP equals the whole one on 2 ranks (output and input gradient), with one all-reduce "
-                        "each way")
+    for world in WORLDS:
+        runs = run_on_ranks(getattr(copy_to_parallel, "__name__", "copy_to_parallel"), _on_rank, copy_to_parallel,
+                            reduce_from_parallel, world_size=world)
+        if isinstance(runs, Result):
+            return runs
+        run = max(runs, key=lambda r: (r["out"], r["grad"]))
+        if run["out"] > 1e-5:
+            return Result(False, f"on {world} ranks the split MLP's output differs from the whole one by {run['out']:.2e}: "
+                                 f"each rank holds a partial sum, so reduce_from_parallel (g) must all-reduce in forward")
+        if run["grad"] > 1e-5:
+            return Result(False, f"on {world} ranks the input's gradient differs from the whole MLP's by {run['grad']:.2e}: "
+                                 f"each rank computed only its part, so copy_to_parallel (f) must all-reduce the gradient "
+                                 f"in backward")
+        if (run["forward"], run["backward"]) != (1, 1):
+            return Result(False, f"on {world} ranks, {run['forward']} all-reduce(s) in forward and {run['backward']} in "
+                                 f"backward, not 1 and 1: f is the identity in forward, g the identity in backward")
+    return Result(True, "the split MLP equals the whole one on 2, 3 and 4 ranks (output and input gradient), with one "
+                        "all-reduce each way")

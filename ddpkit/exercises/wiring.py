@@ -3,8 +3,8 @@
 The contract: ``rank_wiring(env: dict, gpus_on_node: int) -> dict`` with ``rank``, ``local_rank``,
 ``world_size`` (ints) and ``device`` (a string): read from the variables torchrun and the ddpkit launcher
 set (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``); the device is ``cuda:<local rank>``
-when the node has a GPU for each of its ranks, else ``cpu``. The check calls it in every rank of a real
-job with that rank's own environment, then with the environments of a 2-node job.
+when the node has a GPU for each of its ranks, else ``cpu``. The check calls it in every rank of real
+jobs of 2 and 3 ranks with that rank's own environment, then with the environments of a 2-node job.
 """
 
 from __future__ import annotations
@@ -29,9 +29,12 @@ def _expected(env: dict, gpus: int) -> dict:
 
 @graded("08_rank_wiring", "rank_wiring")
 def check_rank_wiring(fn) -> Result:
-    runs = run_on_ranks(getattr(fn, "__name__", "rank_wiring"), _on_rank, fn, world_size=2)
-    if isinstance(runs, Result):
-        return runs
+    runs = []
+    for world in (2, 3):
+        found = run_on_ranks(getattr(fn, "__name__", "rank_wiring"), _on_rank, fn, world_size=world)
+        if isinstance(found, Result):
+            return found
+        runs += found
     for run in runs:
         got, (rank, local, world) = run["got"], run["ctx"]
         if (got.get("rank"), got.get("local_rank"), got.get("world_size")) != (rank, local, world):
@@ -50,4 +53,4 @@ def check_rank_wiring(fn) -> Result:
                                  f"from 0, so index them by LOCAL_RANK, not RANK")
         if got != want:
             return Result(False, f"for {env} it returned {got}, expected {want}")
-    return Result(True, "the right rank, world and device on 2 real ranks and on every rank of a simulated 2-node job")
+    return Result(True, "the right rank, world and device on 2 and 3 real ranks and on every rank of a simulated 2-node job")
