@@ -1,5 +1,6 @@
 """Trainer invariants, proved by comparison on real gloo ranks."""
 
+import statistics
 import time
 
 import pytest
@@ -200,13 +201,13 @@ def test_weights_only_resume_sees_the_same_data_but_departs(tmp_path):
 
 
 def test_a_straggler_slows_every_rank(tmp_path):
-    slow = 0.15
+    slow = 0.5  # large next to a step here, even on a busy machine (its own steps are the baseline)
     run(2, steps=6, metrics_dir=str(tmp_path), fail_mode="slow", fail_at_step=3, fail_rank=1, slow_step_s=slow)
     steps = metrics.read_metrics(str(tmp_path))
     fast_rank = [r for r in steps if r["rank"] == 0]
-    before = max(r["step_time_s"] for r in fast_rank if r["step"] <= 3)
+    before = statistics.median(r["step_time_s"] for r in fast_rank if 1 < r["step"] <= 3)  # after the first step's warm-up
     after = min(r["step_time_s"] for r in fast_rank if r["step"] > 3)
-    assert before < slow / 2 and after > slow * 0.8  # rank 0 never slept: it waited in the all-reduce
+    assert after > slow * 0.8 and after > before + slow / 2, (before, after)  # rank 0 never slept: it waited in the all-reduce
 
 
 def test_metrics_have_the_documented_fields(tmp_path):
