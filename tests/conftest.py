@@ -39,4 +39,3 @@ def train_summary(tmp_path: Path, name: str, *args: str) -> dict:
 @pytest.fixture
 def summary(tmp_path):
     return lambda name, *args: train_summary(tmp_path, name, *args)
-
