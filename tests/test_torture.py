@@ -26,7 +26,8 @@ from ddpkit.launch import free_port, launch
 from tests.conftest import REPO, cli_env, run_cli
 
 NUMEL = 1 << 20  # 4 MiB per tensor: a save takes long enough for a kill to land inside it
-KILLS = 50
+INSIDE = 25  # kills that must land inside a save: the test's power, whatever the machine's load
+MAX_KILLS = 150  # a bound on the attempts: under load more kills land between saves
 
 
 def _state(step: int) -> tuple[dict, dict]:
@@ -67,8 +68,9 @@ def _resume_then_save_forever(root: str, fmt: str, report: str, port: int) -> No
 def test_sigkill_at_random_instants_of_a_save_never_loads_a_torn_checkpoint(tmp_path, fmt):
     rng, root, report = random.Random(7), str(tmp_path / "ck"), str(tmp_path / "report.json")
     context = multiprocessing.get_context("fork")
-    torn, inside_a_save = 0, 0
-    for kill in range(KILLS):
+    torn, inside_a_save, kill = 0, 0, 0
+    while inside_a_save < INSIDE and kill < MAX_KILLS:
+        kill += 1
         complete = [checkpoint.step_of(p) for p in checkpoint.list_checkpoints(root)] if os.path.isdir(root) else []
         if os.path.exists(report):
             os.remove(report)
@@ -90,8 +92,8 @@ def test_sigkill_at_random_instants_of_a_save_never_loads_a_torn_checkpoint(tmp_
             if name.startswith(".tmp-"):
                 shutil.rmtree(os.path.join(root, name), ignore_errors=True)
     assert torn == 0
-    print(f"{inside_a_save} of {KILLS} kills landed inside a save")
-    assert inside_a_save >= KILLS // 2, f"only {inside_a_save} of {KILLS} kills landed inside a save"
+    print(f"{inside_a_save} of {kill} kills landed inside a save")
+    assert inside_a_save >= INSIDE, f"only {inside_a_save} of {kill} kills landed inside a save"
 
 
 class NoticeToEveryProcess(Hook):
