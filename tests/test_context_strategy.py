@@ -1,6 +1,7 @@
-"""``--cp N``: the GPT's sequences split over context-parallel ranks (ring attention), DDP over dp x cp.
-DDP's samples and losses, the averaging over cp that makes it so (and what breaks without it), exact
-resume, a checkpoint that continues without context parallelism, and bad layouts refused."""
+"""``--cp N``: the GPT's sequences split over context-parallel ranks (ring attention), DDP over dp x cp,
+alone and with ``--tp`` (heads over tp, positions over cp). DDP's samples and losses, the averaging over
+cp that makes it so (and what breaks without it), exact resume, a checkpoint that continues without
+context parallelism, and bad layouts refused."""
 
 import json
 import shutil
@@ -28,10 +29,11 @@ def max_loss_diff(a: dict, b: dict, skip: int = 0) -> float:
 def _trained(ctx, cfg, over_world: bool) -> dict:
     """A cp run's summary; ``over_world=False`` is the control: DDP over the dp group only, so the
     gradients of the cp peers' positions are never averaged together."""
-    from ddpkit.parallel.context_strategy import ContextParallelStrategy
+    from ddpkit.parallel.context_strategy import ContextParallelStrategy, ContextTensorParallelStrategy
 
     if not over_world:  # this process only: launch starts fresh ones
         ContextParallelStrategy.ddp_group = property(lambda self: self.ctx.dp_group)
+        ContextTensorParallelStrategy.ddp_group = property(lambda self: self.ctx.dp_group)
     trainer = Trainer(ctx, cfg)
     try:
         return trainer.fit()
@@ -77,12 +79,47 @@ def test_cp_resumes_exactly_and_continues_without_cp(cp_runs):
     assert max_loss_diff(other, whole, skip=3) <= CROSS_TOL
 
 
+@pytest.fixture(scope="module")
+def cp_tp_runs(tmp_path_factory):
+    """dp 1 x cp 2 x tp 2 on 4 ranks against DDP on one rank (the same samples: dp is 1 either way)."""
+    folder = tmp_path_factory.mktemp("cptp")
+    layout = dict(cp=2, tp=2, **GPT)
+    out = {"ddp": run(1, **GPT), "whole": run(4, **layout)}
+    run(4, checkpoint_dir=str(folder / "a"), checkpoint_every=3, **{**layout, "steps": 3})
+    shutil.copytree(folder / "a", folder / "b")
+    out["resumed"] = run(4, checkpoint_dir=str(folder / "a"), resume=True, **layout)
+    out["as_ddp"] = run(1, checkpoint_dir=str(folder / "b"), resume=True, **GPT)
+    out["control"] = launch(_trained, TrainConfig(world_size=4, **layout), False, world_size=4, output="none")
+    return out
+
+
+def test_cp_with_tp_sees_ddps_samples_and_losses(cp_tp_runs):
+    ddp, whole = cp_tp_runs["ddp"], cp_tp_runs["whole"]
+    assert (whole["dp"], whole["cp"], whole["tp"]) == (1, 2, 2) and whole["data_sha256"] == ddp["data_sha256"]
+    assert max_loss_diff(whole, ddp) <= LOSS_TOL
+
+
+def test_cp_with_tp_without_averaging_over_cp_parts_the_peers(cp_tp_runs):
+    control, ddp = cp_tp_runs["control"], cp_tp_runs["ddp"]  # (the summary's hashes are of the gathered model)
+    assert max_loss_diff(control[0], ddp) > 100 * LOSS_TOL
+
+
+def test_cp_with_tp_resumes_exactly_and_continues_on_one_rank(cp_tp_runs):
+    whole, resumed, other = cp_tp_runs["whole"], cp_tp_runs["resumed"], cp_tp_runs["as_ddp"]
+    assert resumed["resumed_from_step"] == 3
+    assert (resumed["param_sha256"], resumed["optimizer_sha256"]) == (whole["param_sha256"], whole["optimizer_sha256"])
+    assert other["resumed_from_step"] == 3 and (other["cp"], other["tp"]) == (1, 1)
+    assert other["data_sha256"] == whole["data_sha256"]
+    assert max_loss_diff(other, whole, skip=3) <= CROSS_TOL
+
+
 @pytest.mark.parametrize("args, words", [
-    (("--world-size", "4", "--cp", "3", "--model", "gpt"), "cp 3 must divide the world size"),
+    (("--world-size", "4", "--cp", "3", "--model", "gpt"), "cp 3 (times tp 1 and pp 1) must divide the world size"),
+    (("--world-size", "4", "--cp", "2", "--tp", "4", "--model", "gpt"), "cp 2 (times tp 4 and pp 1) must divide"),
     (("--world-size", "4", "--cp", "2"), "use --model gpt"),
-    (("--world-size", "4", "--cp", "2", "--tp", "2", "--model", "gpt"), "without --tp and --pp"),
+    (("--world-size", "4", "--cp", "2", "--pp", "2", "--model", "gpt"), "without --pp"),
     (("--world-size", "4", "--cp", "2", "--strategy", "fsdp2", "--model", "gpt"), "--strategy ddp"),
-], ids=["world", "mlp", "tp", "fsdp2"])
+], ids=["world", "world-tp", "mlp", "pp", "fsdp2"])
 def test_bad_cp_layouts_are_refused_in_one_line_before_any_rank_starts(capsys, args, words):
     assert cli.main(["train", *args]) == 2
     out = capsys.readouterr()

@@ -45,10 +45,10 @@ def build_strategy(name: str, ctx, cfg=None):
 
         return PipelineStrategy(ctx)
     options = strategy_options(cfg)
-    if ctx is not None and ctx.dims.cp > 1:  # each sequence split over a cp group, DDP over the whole world
-        from ddpkit.parallel.context_strategy import ContextParallelStrategy
+    if ctx is not None and ctx.dims.cp > 1:  # each sequence split over a cp group (heads over tp), DDP over dp x cp
+        from ddpkit.parallel.context_strategy import ContextParallelStrategy, ContextTensorParallelStrategy
 
-        return ContextParallelStrategy(ctx)
+        return ContextTensorParallelStrategy(ctx) if ctx.dims.tp > 1 else ContextParallelStrategy(ctx)
     if ctx is not None and ctx.dims.tp > 1 and name == "fsdp2":  # tp inside each replica, FSDP2 across replicas
         from ddpkit.parallel.fsdp_tensor import FSDPTensorParallelStrategy
 

@@ -262,19 +262,27 @@ def full_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.T
 
 class RingSelfAttention(torch.nn.Module):
     """The GPT's causal self-attention on this rank's positions, attending over the whole sequence by
-    ring attention. Keeps the original ``qkv`` and ``proj`` layers (same parameters, same names)."""
+    ring attention. Keeps the original ``qkv`` and ``proj`` layers (same parameters, same names).
+
+    It wraps a whole attention or a tensor-parallel one
+    (:class:`~ddpkit.parallel.tensor.ParallelSelfAttention`) alike: the heads are independent, so the
+    ring runs over the cp group on whichever heads ``qkv`` gives this rank, and the row-parallel ``proj``
+    sums the tp ranks' heads afterwards. Context and tensor parallelism split different axes (positions,
+    heads) and compose without either knowing of the other."""
 
     def __init__(self, full, group, layout: str = "zigzag") -> None:
         super().__init__()
-        self.n_heads, self.qkv, self.proj = full.n_heads, full.qkv, full.proj
+        self.n_heads = getattr(full, "local_heads", None) or full.n_heads  # this rank's heads under tp
+        self.qkv, self.proj = full.qkv, full.proj
         self.group, self.layout = group, layout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape  # T: this rank's positions
-        q, k, v = self.qkv(x).split(C, dim=2)  # 3 x (B, T, C)
-        q, k, v = (t.view(B, T, self.n_heads, C // self.n_heads).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
+        B, T, _ = x.shape  # T: this rank's positions
+        q, k, v = self.qkv(x).chunk(3, dim=2)  # 3 x (B, T, C) or, under tp, 3 x (B, T, C/tp)
+        hs = q.shape[-1] // self.n_heads
+        q, k, v = (t.view(B, T, self.n_heads, hs).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
         y = ring_attention(q.contiguous(), k.contiguous(), v.contiguous(), self.group, self.layout)  # (B, nh, T, hs)
-        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+        return self.proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
 def parallelize_context(model: torch.nn.Module, group, layout: str = "zigzag") -> torch.nn.Module:

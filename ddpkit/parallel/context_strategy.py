@@ -16,6 +16,13 @@ micro-batch's per-sample losses averaged over the cp group in the same way.
 
 State is the unsplit model's (same names, same whole tensors), so a checkpoint resumes with or without
 context parallelism, on any world size.
+
+With ``--tp`` too (:class:`ContextTensorParallelStrategy`, ``world = dp x cp x tp``), each replica's
+blocks are first split over its tp group, then every attention becomes ring attention over the cp group
+on this rank's heads. The positions are split over cp, the heads and MLP columns over tp. DDP then
+averages over the dp x cp ranks that hold the same slices (the same tp coordinate), for the reason
+above; tp peers hold different slices and are never averaged. State is tensor parallelism's: the
+unsplit model's names, each rank's slices described as chunks, so the checkpoint resumes on any layout.
 """
 
 from __future__ import annotations
@@ -26,6 +33,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddpkit.parallel.context import parallelize_context, shard_sequence
 from ddpkit.parallel.ddp import DDPStrategy
+from ddpkit.parallel.tensor import parallelize
+from ddpkit.parallel.tensor_strategy import TensorParallelStrategy
 
 
 class ContextParallelStrategy(DDPStrategy):
@@ -79,3 +88,24 @@ class ContextParallelStrategy(DDPStrategy):
             loss = loss_fn(model(batch["inputs"]), batch["targets"]).detach().reshape(1).double()
         dist.all_reduce(loss, group=self.group)
         return float(loss) / self.ctx.dims.cp
+
+
+class ContextTensorParallelStrategy(ContextParallelStrategy, TensorParallelStrategy):
+    """Tensor parallelism inside each replica, ring attention over cp on each rank's heads, DDP over
+    dp x cp (see the module docstring). Clipping and state come from :class:`TensorParallelStrategy`."""
+
+    _dp_cp_group = None
+
+    @property
+    def ddp_group(self):
+        """This rank's dp x cp peers: every rank with its tp coordinate (built in :meth:`wrap`)."""
+        return self._dp_cp_group
+
+    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        dims = self.ctx.dims
+        by_tp = [[r for r in range(dims.world_size) if dims.coords(r)["tp"] == t] for t in range(dims.tp)]
+        # collective: every rank creates every group, in the same order
+        self._dp_cp_group, _ = dist.new_subgroups_by_enumeration(by_tp)
+        self.raw = parallelize_context(parallelize(model, self.ctx.tp_group), self.group)
+        return DDP(self.raw, device_ids=[self.ctx.device.index] if self.ctx.device.type == "cuda" else None,
+                   process_group=self.ddp_group, gradient_as_bucket_view=True)
