@@ -77,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pp", type=int, default=d.pp, help="pipeline-parallel degree")
     p.add_argument("--pp-schedule", default=d.pp_schedule, metavar="|".join(PP_SCHEDULES),
                    help="pipeline schedule (zero-bubble: ZB-H1, the weight gradients deferred)")
-    p.add_argument("--cp", type=int, default=d.cp, help="context-parallel degree (the GPT's sequences split; world = dp x cp x tp)")
+    p.add_argument("--cp", type=int, default=d.cp, help="context-parallel degree (the GPT's sequences split; world = dp x cp x tp x pp)")
     p.add_argument("--activation-checkpointing", action="store_true",
                    help="recompute activations in backward instead of storing them")
     p.add_argument("--checkpoint-dir", default=None)

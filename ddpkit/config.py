@@ -114,7 +114,7 @@ class TrainConfig:
     """The pipeline's schedule: ``1f1b``, ``gpipe`` or ``zero-bubble`` (ZB-H1: the backward split into its
     input-gradient and weight-gradient parts, the weight parts run later). Same gradients, same numbers."""
     cp: int = runtime(1)
-    """Context-parallel degree: ranks that split every sequence's positions (ring attention; world = dp x cp x tp)."""
+    """Context-parallel degree: ranks that split every sequence's positions (ring attention; world = dp x cp x tp x pp)."""
     strategy: str = runtime("ddp")
     """How the model, gradients and optimizer state are split across data-parallel ranks: ``ddp``
     (replicate all), ``zero1`` (ours: shard the optimizer state), ``zero1-torch`` (PyTorch's
@@ -244,9 +244,9 @@ class TrainConfig:
              f"tensor parallelism combines with strategy ddp or fsdp2 across replicas, not {self.strategy}: "
              f"use --strategy ddp or fsdp2")
         fsdp_flags.check(self, need)
-        need(self.cp == 1 or (self.model == "gpt" and self.strategy == "ddp" and self.pp == 1),
+        need(self.cp == 1 or (self.model == "gpt" and self.strategy == "ddp"),
              "context parallelism splits the GPT's sequences, with DDP across the rest of the world: use --model gpt "
-             "--strategy ddp, without --pp")
+             "--strategy ddp")
         need(self.world_size % (self.cp * self.tp * self.pp) == 0 and self.seq_len % (2 * self.cp) == 0,
              f"cp {self.cp} (times tp {self.tp} and pp {self.pp}) must divide the world size ({self.world_size}), and cp "
              f"half the sequence length ({self.seq_len}): choose a cp that divides both")

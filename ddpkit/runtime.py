@@ -125,8 +125,8 @@ class RankContext:
         return self.mesh.get_group(axis)
 
     def stage_rank(self, stage: int) -> int:
-        """Global rank of this rank's peer on pipeline stage ``stage`` (same dp and tp coordinates)."""
-        return self.rank + (stage - self.pp_rank) * self.dims.dp * self.dims.tp
+        """Global rank of this rank's peer on pipeline stage ``stage`` (same dp, cp and tp coordinates)."""
+        return self.rank + (stage - self.pp_rank) * self.dims.dp * self.dims.cp * self.dims.tp
 
     @property
     def world_group(self):

@@ -1,5 +1,5 @@
 """``--cp N``: the GPT's sequences split over context-parallel ranks (ring attention), DDP over dp x cp,
-alone and with ``--tp`` (heads over tp, positions over cp). DDP's samples and losses, the averaging over
+alone, with ``--tp`` (heads over tp, positions over cp) and with ``--pp`` (every stage's positions over cp). DDP's samples and losses, the averaging over
 cp that makes it so (and what breaks without it), exact resume, a checkpoint that continues without
 context parallelism, and bad layouts refused."""
 
@@ -113,13 +113,55 @@ def test_cp_with_tp_resumes_exactly_and_continues_on_one_rank(cp_tp_runs):
     assert max_loss_diff(other, whole, skip=3) <= CROSS_TOL
 
 
+def _pipeline_without_cp_averaging(ctx, cfg) -> dict:
+    """The control for cp inside a pipeline: each stage's gradients left unaveraged (dp is 1 here, so
+    averaging over dp alone would be nothing either), so the cp peers of a stage part."""
+    from ddpkit.parallel.pipeline_strategy import PipelineStrategy
+
+    PipelineStrategy._average_gradients = lambda self: None  # this process only: launch starts fresh ones
+    return train.run(ctx, cfg)
+
+
+@pytest.fixture(scope="module")
+def cp_pp_runs(tmp_path_factory):
+    """dp 1 x cp 2 x pp 2 on 4 ranks (3 micro-batches through the pipeline) against DDP on one rank."""
+    folder = tmp_path_factory.mktemp("cppp")
+    layout = dict(cp=2, pp=2, grad_accum=3, **GPT)
+    out = {"ddp": run(1, grad_accum=3, **GPT), "whole": run(4, **layout)}
+    run(4, checkpoint_dir=str(folder / "a"), checkpoint_every=3, **{**layout, "steps": 3})
+    shutil.copytree(folder / "a", folder / "b")
+    out["resumed"] = run(4, checkpoint_dir=str(folder / "a"), resume=True, **layout)
+    out["as_ddp"] = run(1, checkpoint_dir=str(folder / "b"), resume=True, grad_accum=3, **GPT)
+    out["control"] = launch(_pipeline_without_cp_averaging, TrainConfig(world_size=4, **layout), world_size=4, output="none")
+    return out
+
+
+def test_cp_inside_a_pipeline_sees_ddps_samples_and_losses(cp_pp_runs):
+    ddp, whole = cp_pp_runs["ddp"], cp_pp_runs["whole"]
+    assert (whole["dp"], whole["cp"], whole["pp"]) == (1, 2, 2) and whole["data_sha256"] == ddp["data_sha256"]
+    assert max_loss_diff(whole, ddp) <= LOSS_TOL
+
+
+def test_cp_inside_a_pipeline_without_averaging_over_cp_leaves_ddps_losses(cp_pp_runs):
+    assert max_loss_diff(cp_pp_runs["control"][0], cp_pp_runs["ddp"]) > 100 * LOSS_TOL
+
+
+def test_cp_inside_a_pipeline_resumes_exactly_and_continues_on_one_rank(cp_pp_runs):
+    whole, resumed, other = cp_pp_runs["whole"], cp_pp_runs["resumed"], cp_pp_runs["as_ddp"]
+    assert resumed["resumed_from_step"] == 3
+    assert (resumed["param_sha256"], resumed["optimizer_sha256"]) == (whole["param_sha256"], whole["optimizer_sha256"])
+    assert other["resumed_from_step"] == 3 and (other["cp"], other["pp"]) == (1, 1)
+    assert other["data_sha256"] == whole["data_sha256"]
+    assert max_loss_diff(other, whole, skip=3) <= CROSS_TOL
+
+
 @pytest.mark.parametrize("args, words", [
     (("--world-size", "4", "--cp", "3", "--model", "gpt"), "cp 3 (times tp 1 and pp 1) must divide the world size"),
     (("--world-size", "4", "--cp", "2", "--tp", "4", "--model", "gpt"), "cp 2 (times tp 4 and pp 1) must divide"),
     (("--world-size", "4", "--cp", "2"), "use --model gpt"),
-    (("--world-size", "4", "--cp", "2", "--pp", "2", "--model", "gpt"), "without --pp"),
+    (("--world-size", "8", "--cp", "2", "--pp", "2", "--tp", "4", "--model", "gpt"), "cp 2 (times tp 4 and pp 2) must divide"),
     (("--world-size", "4", "--cp", "2", "--strategy", "fsdp2", "--model", "gpt"), "--strategy ddp"),
-], ids=["world", "world-tp", "mlp", "pp", "fsdp2"])
+], ids=["world", "world-tp", "mlp", "world-tp-pp", "fsdp2"])
 def test_bad_cp_layouts_are_refused_in_one_line_before_any_rank_starts(capsys, args, words):
     assert cli.main(["train", *args]) == 2
     out = capsys.readouterr()

@@ -60,7 +60,9 @@ def _ops_of_stage(results):
 
 
 @pytest.mark.parametrize("world, layout", [(2, dict(pp=2)), (4, dict(pp=2)), (4, dict(pp=2, tp=2)),
-                                           (4, dict(pp=4, n_layers=4))], ids=["pp2", "pp2-dp2", "pp2-tp2", "pp4"])
+                                           (4, dict(pp=4, n_layers=4)), (2, dict(cp=2)), (4, dict(cp=2, tp=2)),
+                                           (4, dict(cp=2, pp=2))],
+                         ids=["pp2", "pp2-dp2", "pp2-tp2", "pp4", "cp2", "cp2-tp2", "cp2-pp2"])
 def test_the_trainer_pipeline_is_deadlock_free_at_every_layout(world, layout):
     cfg = TrainConfig(world_size=world, grad_accum=3, micro_batch_size=2, **GPT, **layout)
     results = launch(recorded, train.run, cfg, world_size=world, output="none")

@@ -46,6 +46,12 @@ Composes with tensor parallelism: each stage's blocks are split over the tp grou
 each tp rank exchanges activations with the same tp rank of the neighbouring stages (each sends its
 full copy: simple, and the messages are small next to the all-reduces inside a block).
 
+Composes with context parallelism (``--cp``): each stage's attentions become ring attention over the
+cp group (ranks of the same stage, dp and tp coordinates, each holding two of the sequence's 2 x cp
+chunks, ``context.py``); activations travel between the same cp ranks of neighbouring stages, each its
+positions only; the last stage's loss sums are averaged over cp, and the gradients over dp x cp, for the
+reason ``context_strategy.py`` gives.
+
 Communication reported (``comm_s``, ``comm_bytes``): the message exchanges (their wait is the pipeline's
 bubble as this rank sees it; bytes received), and the data-parallel all-reduce.
 """
@@ -125,6 +131,17 @@ class PipelineStrategy(HeldState, Strategy):
             from ddpkit.parallel.tensor import parallelize
 
             parallelize(model, ctx.tp_group)
+        self.dp_cp_group = ctx.dp_group
+        if ctx.dims.cp > 1:  # positions over cp: ring attention on this rank's heads, gradients over dp x cp
+            from ddpkit.parallel.context import parallelize_context
+
+            parallelize_context(model, ctx.mesh.get_group("cp"))
+            dims = ctx.dims
+            same = {}  # (pp, tp) -> the ranks that hold the same stage and slices: every dp and cp coordinate
+            for r in range(dims.world_size):
+                c = dims.coords(r)
+                same.setdefault((c["pp"], c["tp"]), []).append(r)
+            self.dp_cp_group, _ = dist.new_subgroups_by_enumeration(list(same.values()))  # collective: every rank, same order
         self.whole, self.timer = model, CommTimer(ctx.device)
         start, end = stage_bounds(len(model.blocks), ctx.dims.pp)[ctx.pp_rank]
         self.stage = GPTStage(model, start, end)
@@ -206,6 +223,7 @@ class PipelineStrategy(HeldState, Strategy):
         and average the gradients. ``run`` is the step's :class:`~ddpkit.step.MicroStep`: its parts (to
         device, autocast, loss, backward, record) are used one by one."""
         s, p = self.ctx.pp_rank, self.ctx.dims.pp
+        micro_batches = [self._shard(b) for b in micro_batches]
         order = generate(self.schedule_name, p, len(micro_batches), 1)[s]
         plan = exchange_plan(order, s, p)
         shape = self._activation_shape(micro_batches[0]["inputs"])  # every message is one (B, T, C)
@@ -257,16 +275,38 @@ class PipelineStrategy(HeldState, Strategy):
         else:
             shared = torch.empty(m, dtype=torch.float32, device=self.ctx.device)
         dist.broadcast(shared, src=self.ctx.stage_rank(self.ctx.dims.pp - 1), group=self.ctx.pp_group)
-        return shared
+        return self._mean_over_cp(shared)
+
+    # ------------------------------------------------------------------ context parallelism
+
+    def _shard(self, batch: dict) -> dict:
+        """This rank's positions of a micro-batch (the whole batch without context parallelism)."""
+        n = self.ctx.dims.cp
+        if n == 1:
+            return batch
+        from ddpkit.parallel.context import shard_sequence
+
+        r = self.ctx.dims.coords(self.ctx.rank)["cp"]
+        return {**batch, "inputs": shard_sequence(batch["inputs"], r, n, 1),
+                "targets": shard_sequence(batch["targets"], r, n, 1)}
+
+    def _mean_over_cp(self, loss: torch.Tensor) -> torch.Tensor:
+        """A loss over this rank's positions -> over whole sequences (the cp shards are equal in size)."""
+        if self.ctx.dims.cp == 1:
+            return loss
+        dist.all_reduce(loss, group=self.ctx.mesh.get_group("cp"))
+        return loss / self.ctx.dims.cp
 
     def _average_gradients(self) -> None:
-        """Mean over the data-parallel replicas of this stage: one all-reduce of every gradient at once."""
-        if self.ctx.dp_size == 1:
+        """Mean over the data-parallel (and context-parallel) peers of this stage: one all-reduce of every
+        gradient at once."""
+        n = self.ctx.dp_size * self.ctx.dims.cp
+        if n == 1:
             return
         grads = [q.grad for q in self.stage.parameters() if q.grad is not None]
-        flat = torch.cat([g.reshape(-1) for g in grads]).div_(self.ctx.dp_size)
+        flat = torch.cat([g.reshape(-1) for g in grads]).div_(n)
         with self.timer.timed(flat.numel() * flat.element_size()):
-            dist.all_reduce(flat, group=self.ctx.dp_group)
+            dist.all_reduce(flat, group=self.dp_cp_group)
         offset = 0
         for g in grads:
             g.copy_(flat[offset:offset + g.numel()].view_as(g))
@@ -293,6 +333,8 @@ class PipelineStrategy(HeldState, Strategy):
     def eval_loss(self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         """A forward-only pass through the pipeline; the last stage's loss, on every stage."""
         s = self.ctx.pp_rank
+        batch = self._shard({"inputs": inputs, "targets": targets})
+        inputs, targets = batch["inputs"], batch["targets"]
         with torch.no_grad():
             x = inputs if self._first else self._recv(self._activation_shape(inputs), s - 1)
             out = self.stage(x)
@@ -300,7 +342,7 @@ class PipelineStrategy(HeldState, Strategy):
                 dist.send(out.to(ACTIVATION_DTYPE).contiguous(), dst=self.ctx.stage_rank(s + 1), group=self.ctx.pp_group)
             loss = loss_fn(out, targets).reshape(1) if self._last else torch.empty(1, device=self.ctx.device)
             dist.broadcast(loss, src=self.ctx.stage_rank(self.ctx.dims.pp - 1), group=self.ctx.pp_group)
-        return float(loss)
+        return float(self._mean_over_cp(loss))
 
     # ------------------------------------------------------------------ state in and out, in the unsplit layout
 
