@@ -40,12 +40,15 @@ def free_port() -> int:
 
 def train_flags(workdir: str, steps: int, checkpoint_every: int, step_s: float) -> list[str]:
     """``ddpkit train`` flags of the drill. ``--fail-mode slow`` on rank 0 from step 0 makes every step last
-    at least ``step_s`` (the other rank waits for it in the all-reduce), so the kill lands mid-run."""
+    at least ``step_s`` (the other rank waits for it in the all-reduce), so the kill lands mid-run. The
+    collective timeout is generous: a killed peer is noticed at once (its connections close), while a
+    live one can be more than 10 s late to its first collective on a busy machine (seen: a spurious
+    restart of the first round)."""
     return ["--steps", str(steps), "--micro-batch-size", "8", "--dataset-size", "2048", "--backend", "gloo",
             "--checkpoint-dir", os.path.join(workdir, "ckpt"), "--checkpoint-every", str(checkpoint_every),
             "--metrics-dir", os.path.join(workdir, "metrics"), "--summary-json", os.path.join(workdir, "summary.json"),
             "--fail-mode", "slow", "--fail-at-step", "0", "--fail-rank", "0", "--slow-step-s", str(step_s),
-            "--timeout", "10", "--log-every", "1000"]
+            "--timeout", "30", "--log-every", "1000"]
 
 
 def _events(workdir: str) -> list[dict]:
