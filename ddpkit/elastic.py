@@ -21,7 +21,7 @@ work: after a scale-up the next round resumes from that very step. The worker's 
 by nobody: the agent drops the results of workers it stopped, and an agent stopped by a signal ends
 with that signal's exception (exit code 1).
 
-Three things keep training the same through these changes, and this module provides them:
+Three things keep training the same through these changes, and this module provides the first two:
 
 * **the global batch**: with fewer ranks, each rank accumulates more micro-batches, so that
   ``micro x accum x world`` stays the global batch (:func:`accumulation`). Without it the trainer's
