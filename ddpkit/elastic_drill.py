@@ -80,7 +80,7 @@ def run_elastic(workdir: str, *, steps: int = 40, kill_at_step: int = 12, checkp
     def start(name: str) -> subprocess.Popen:  # warm: torch imported, the agent not yet started
         out = open(os.path.join(workdir, f"agent-{name}.out"), "w")  # noqa: SIM115 - closed by the child
         cmd = agent_command(port, f"elastic-{port}", global_batch_size, flags, is_host=name == "A")
-        if name == "B2":  # the returning node: it joins a job that has run for a while (no --max-restarts left to spend)
+        if name == "B2":  # the returning node: its worker must resume the job's checkpoint at once, no restart
             cmd[cmd.index("--max-restarts") + 1] = "0"
         cmd[1:3] = ["-m", "ddpkit.elastic_drill", "--release", os.path.join(workdir, f"release-{name}"), "--"]
         agents[name] = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)

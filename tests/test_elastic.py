@@ -63,7 +63,7 @@ def test_each_agent_says_whether_it_hosts_the_rendezvous_store():
 
 
 def checkpoint_of(job: str, folder, monkeypatch, step: int = 21) -> TrainConfig:
-    """A checkpoint that job ``job`` wrote at ``step`` (as its meta says), in ``folder``: the config it was written with."""
+    """A checkpoint that job ``job`` wrote at ``step`` (its meta says so) in ``folder``; the config it was written with."""
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", job)
     cfg = config(2, elastic.worker_argv([], 16, 2))
     checkpoint.save(folder, step, {"step": step}, meta=state.meta(cfg))
@@ -92,7 +92,8 @@ def test_the_worker_of_a_joining_node_resumes_the_jobs_checkpoint(tmp_path, monk
     cli.check_before_launch(cfg, attempt=0)  # accepted: same job, same global batch
 
 
-def test_negative_control_without_the_later_round_resume_a_joining_node_refuses_the_jobs_checkpoint(tmp_path, monkeypatch):
+def test_negative_control_without_the_later_round_resume_a_joining_node_refuses_its_jobs_checkpoint(tmp_path,
+                                                                                                     monkeypatch):
     checkpoint_of("job-1", tmp_path, monkeypatch)
     with pytest.raises(ValueError, match="already holds checkpoints"):
         cli.check_before_launch(joining_worker(tmp_path, resume=False), attempt=0)
@@ -114,6 +115,7 @@ def test_every_agent_of_a_job_that_may_grow_opts_out_of_the_shared_store():
 
 def test_under_torchrun_the_preempted_line_says_a_scale_up_needs_nothing():
     plain = preemption.preempted_line(21, True, "ck/step-00000021", "ddpkit train --resume")
-    under = preemption.preempted_line(21, True, "ck/step-00000021", "torchrun -m ddpkit train --resume", under_torchrun=True)
+    under = preemption.preempted_line(21, True, "ck/step-00000021", "torchrun -m ddpkit train --resume",
+                                      under_torchrun=True)
     assert "membership change" not in plain and plain.endswith("resume with: ddpkit train --resume")
     assert "membership change" in under and under.endswith("resume with: torchrun -m ddpkit train --resume")

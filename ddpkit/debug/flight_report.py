@@ -1,4 +1,4 @@
-"""Summarizing Flight Recorder dumps: torch's analyzer on every rank's ring, its first finding, the stall report's lines.
+"""Summarizing Flight Recorder dumps: torch's analyzer on every rank's ring, its finding, the stall report.
 
 torch's analyzer (``torch.distributed.flight_recorder``, installed as the ``torchfrtrace`` command) lines
 the rings up by sequence number and reports the first collective that the ranks do not all agree on: a
