@@ -265,8 +265,8 @@ def _preempted(cfg: TrainConfig, summary: dict, argv: list[str], launcher: list[
     newest, saved = _newest_good(cfg), summary["emergency_checkpoint_step"] is not None
     command = resume_command(argv, launcher)
     write_marker(cfg.checkpoint_dir, summary["preempted_at_step"], saved, newest.name if newest else None, command)
-    print(preempted_line(summary["preempted_at_step"], saved, str(newest) if newest else None, command),
-          file=sys.stderr, flush=True)
+    print(preempted_line(summary["preempted_at_step"], saved, str(newest) if newest else None, command,
+                         under_torchrun=launcher is not None), file=sys.stderr, flush=True)
     return PREEMPTED_EXIT
 
 
@@ -299,7 +299,9 @@ def _run_as_torchrun_worker(cfg: TrainConfig, attempt: int, argv: list[str]) -> 
         summary = train.run(ctx, cfg, attempt)
         dist.barrier()
         code = 0
-        if summary["preempted_at_step"] is not None:  # torchrun exits 1 on it (it restarts on it with --max-restarts)
+        # notice to this worker alone: its agent sees a failure (a restart with --max-restarts, else exit 1);
+        # notice from its agent (a shutdown or a scale-up): the agent reads no code of a worker it stopped
+        if summary["preempted_at_step"] is not None:
             code = _preempted(cfg, summary, argv, torchrun_launcher(argv)) if ctx.is_main else PREEMPTED_EXIT
     except UserError as exc:
         code = _refuse(exc)

@@ -1,4 +1,4 @@
-"""Elastic membership with torchrun: a job that goes on with fewer nodes when one is lost, same batch, same samples.
+"""Elastic membership with torchrun: a job that goes on with fewer nodes when one is lost, and grows back.
 
 ``torchrun --nnodes 1:2`` runs one *agent* per node; the agents meet at a rendezvous (here ``c10d``: a
 TCPStore hosted by one of the agents) and agree on the members of each **round**. When a worker fails (its
@@ -7,23 +7,47 @@ peer's node died in the middle of an all-reduce), its agent stops its workers an
 the maximum, once ``last_call_timeout`` has passed after the minimum joined. When an agent joins a job
 that is already running, the running agents see it waiting (``num_nodes_waiting``), stop their workers
 and start a new round with it: a scale-up, which does not count as a restart (``torch/distributed/elastic/agent/server/api.py``,
-``_invoke_run``). Every round restarts
-**every** worker, which then resumes from the newest checkpoint: the steps after it are done again.
+``_invoke_run``). Every round restarts **every** worker, which then resumes from the newest checkpoint.
 
-Two things keep training the same through these changes, and this module provides the first:
+What a worker sees of a scale-up: its agent stops it the way it stops it on its own shutdown. Both go
+through ``LocalElasticAgent._shutdown``, which closes the workers with ``os.killpg(worker, SIGTERM)``
+and SIGKILLs what is left after a grace period (``torch/distributed/elastic/multiprocessing/api.py``,
+``SubprocessContext._close``; each worker leads its own process group). On a membership change the
+grace period is 30 s (``_stop_workers`` calls ``_shutdown()`` with its defaults); on the agent's own
+SIGTERM it is ``--shutdown-timeout`` (default 30 s) and the signal is the one the agent received (SIGINT
+for a Ctrl-C). So the worker cannot tell the two apart, and need not: the trainer treats the SIGTERM as
+a preemption notice (every rank stops after the same step and saves it), which in both cases loses no
+work: after a scale-up the next round resumes from that very step. The worker's exit code (75) is read
+by nobody: the agent drops the results of workers it stopped, and an agent stopped by a signal ends
+with that signal's exception (exit code 1).
+
+Three things keep training the same through these changes, and this module provides the first two:
 
 * **the global batch**: with fewer ranks, each rank accumulates more micro-batches, so that
   ``micro x accum x world`` stays the global batch (:func:`accumulation`). Without it the trainer's
   resume refuses, since the global batch, and so the sample stream and the optimizer's steps, would change;
+* **the resume**: a worker of a later round resumes from the job's newest checkpoint
+  (:func:`later_round`). ``TORCHELASTIC_RESTART_COUNT`` cannot say so: a membership change does not
+  count as a restart, and an agent that joins later counts its own restarts from 0;
 * **the sample stream**: the trainer's sampler counts progress in global samples, so any world size
   resumes at the same sample; the summary's ``data_sha256`` (every step's global sample ids, folded)
   proves that the stream equals an uninterrupted run's.
 
+A node can join a running job only with :data:`AGENT_ENV` set for every agent: in torch 2.13 the agents
+share one TCPStore server with their workers, and an agent that already has its address never
+publishes it again (``dynamic_rendezvous.py``, ``next_rendezvous``: the bootstrap store info is built
+only on the first round, or when the node becomes rank 0 without a server). A node that joins a later
+round then waits for ``MASTER_ADDR`` in that round's keys until the store timeout, and the running
+agent waits for its role info in ``_assign_worker_ranks``: both fail (measured: 60 s, then
+``DistStoreError: wait timeout``). With ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` rank 0 publishes a new
+address every round and its worker hosts a fresh store (``torch/distributed/rendezvous.py``).
+
 Run under torchrun as ``python -m ddpkit.elastic --global-batch-size G -- <ddpkit train flags>``: it reads
-``WORLD_SIZE``, sets ``--grad-accum`` and trains with ``ddpkit train``. :func:`agent_command` builds the
-torchrun command. Sources: torch 2.13 ``torch/distributed/run.py`` (``--nnodes MIN:MAX``) and
-``torch/distributed/elastic/rendezvous/dynamic_rendezvous.py`` (rounds, ``last_call_timeout``, and
-``keep_alive_interval`` x ``keep_alive_max_attempt``, after which a silent node is dropped).
+``WORLD_SIZE``, sets ``--grad-accum`` (and ``--resume`` in a later round) and trains with ``ddpkit train``.
+:func:`agent_command` builds the torchrun command. Sources: torch 2.13 ``torch/distributed/run.py``
+(``--nnodes MIN:MAX``) and ``torch/distributed/elastic/rendezvous/dynamic_rendezvous.py`` (rounds,
+``last_call_timeout``, and ``keep_alive_interval`` x ``keep_alive_max_attempt``, after which a silent
+node is dropped).
 """
 
 from __future__ import annotations
@@ -38,6 +62,8 @@ MEMBERSHIP_LOG = "elastic.jsonl"
 # short timeouts for one machine: a round closes 1 s after the minimum joined; a node silent for 4 s is dropped
 # (shorter risks dropping a live agent whose heartbeat thread a busy machine delayed: then it forms a job of its own)
 RDZV_CONF = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=4,join_timeout=60"
+AGENT_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+"""The environment every agent of a job that may grow needs (see the module's docstring)."""
 
 
 def accumulation(global_batch_size: int, micro_batch_size: int, world_size: int) -> int:
@@ -58,15 +84,33 @@ def _flag(argv: list[str], name: str, default: str | None = None) -> str | None:
     return default
 
 
-def worker_argv(train_argv: list[str], global_batch_size: int, world_size: int, adjust: bool = True) -> list[str]:
+def later_round(checkpoint_dir: str | None, run_id: str | None) -> bool:
+    """Whether this worker belongs to a later round of job ``run_id`` (torchrun's ``--rdzv-id``): the
+    newest checkpoint in ``checkpoint_dir`` with a readable manifest was written by that job. Read-only
+    (every worker of every node asks); the trainer verifies the checkpoint it resumes from."""
+    if not checkpoint_dir or not run_id:
+        return False
+    from ddpkit import checkpoint
+
+    for path in checkpoint.list_checkpoints(checkpoint_dir):
+        try:
+            return checkpoint.read_manifest(path).get("meta", {}).get("run_id") == run_id
+        except checkpoint.CheckpointError:  # an interrupted save: the trainer skips it too
+            continue
+    return False
+
+
+def worker_argv(train_argv: list[str], global_batch_size: int, world_size: int, adjust: bool = True,
+                resume: bool = False) -> list[str]:
     """The ``ddpkit train`` arguments for this round: ``--grad-accum`` set from the world size (or, with
-    ``adjust=False``, the negative control, left as given)."""
+    ``adjust=False``, the negative control, left as given), and ``--resume`` in a later round."""
     if "--grad-accum" in train_argv and adjust:
         raise ValueError("--grad-accum is set from the world size here: give --global-batch-size instead")
+    later = ["--resume"] if resume and "--resume" not in train_argv else []
     if not adjust:
-        return ["train", *train_argv]
+        return ["train", *train_argv, *later]
     micro = int(_flag(train_argv, "--micro-batch-size", "8"))
-    return ["train", *train_argv, "--grad-accum", str(accumulation(global_batch_size, micro, world_size))]
+    return ["train", *train_argv, "--grad-accum", str(accumulation(global_batch_size, micro, world_size)), *later]
 
 
 def agent_command(port: int, run_id: str, global_batch_size: int, train_argv: list[str], *, is_host: bool,
@@ -106,8 +150,9 @@ def main(argv: list[str] | None = None) -> int:
         print("ddpkit.elastic: run it under torchrun (WORLD_SIZE is not set)", file=sys.stderr)
         return 2
     world = int(os.environ["WORLD_SIZE"])
+    resume = later_round(_flag(train_argv, "--checkpoint-dir"), os.environ.get("TORCHELASTIC_RUN_ID"))
     try:
-        full = worker_argv(train_argv, args.global_batch_size, world, adjust=not args.no_adjust)
+        full = worker_argv(train_argv, args.global_batch_size, world, adjust=not args.no_adjust, resume=resume)
     except ValueError as exc:
         print(f"ddpkit.elastic: {exc}", file=sys.stderr)
         return 2

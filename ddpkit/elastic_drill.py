@@ -1,16 +1,21 @@
-"""Two torchrun agents as two "nodes" on this machine: lose one, and the job goes on with the other.
+"""Two torchrun agents as two "nodes" on this machine: lose one, go on with the other, grow back.
 
 :func:`run_elastic` starts agent A (it hosts the c10d rendezvous store) and agent B, each with one
 worker (:mod:`ddpkit.elastic` around ``ddpkit train``, checkpointing every few steps); SIGKILLs agent B and
-its worker (:func:`ddpkit.notebook.kill_tree`) once the job passed ``kill_at_step``; and waits until A's
-job, re-formed with one node, reaches the last step. Every wait has a deadline, and nothing it started
-outlives it.
+its worker (:func:`ddpkit.notebook.kill_tree`) once the job passed ``kill_at_step``; waits until A's
+job, re-formed with one node, has trained ``alone_steps`` steps past the last one done with two; then
+(``grow_back``) releases a new agent B, started warm while the job re-formed, which joins: A's agent
+stops its worker with SIGTERM to admit it, the worker saves the step it is at (the trainer's preemption
+notice), and the job re-forms with two nodes from that step. Every wait has a deadline, and nothing it
+started outlives it. Every agent runs with :data:`ddpkit.elastic.AGENT_ENV`, without which a returning
+node cannot join (:mod:`ddpkit.elastic` says why). The returning agent has ``--max-restarts 0``: its
+worker must resume the job's checkpoint at once, although its agent's restart count is 0.
 
 The summary comes from the trainer's own logs: the rounds (world size, accumulation, torchrun's restart
 count, from :data:`ddpkit.elastic.MEMBERSHIP_LOG`), the step each round resumed from, the steps done
-twice (lost work: done after the newest checkpoint, before the failure), the seconds from the death to
-training again, split into re-rendezvous, worker start and restore, and the summary's ``data_sha256``
-and ``param_sha256``.
+twice (lost work: done before a membership change, after the checkpoint the next round resumed from),
+the seconds from the death to training again, split into re-rendezvous, worker start and restore, and
+the summary's ``data_sha256`` and ``param_sha256``.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import subprocess
 import sys
 import time
 
-from ddpkit.elastic import MEMBERSHIP_LOG, agent_command
+from ddpkit.elastic import AGENT_ENV, MEMBERSHIP_LOG, agent_command
 from ddpkit.metrics import read_metrics
 
 
@@ -35,12 +40,15 @@ def free_port() -> int:
 
 def train_flags(workdir: str, steps: int, checkpoint_every: int, step_s: float) -> list[str]:
     """``ddpkit train`` flags of the drill. ``--fail-mode slow`` on rank 0 from step 0 makes every step last
-    at least ``step_s`` (the other rank waits for it in the all-reduce), so the kill lands mid-run."""
+    at least ``step_s`` (the other rank waits for it in the all-reduce), so the kill lands mid-run. The
+    collective timeout is generous: a killed peer is noticed at once (its connections close), while a
+    live one can be more than 10 s late to its first collective on a busy machine (seen: a spurious
+    restart of the first round)."""
     return ["--steps", str(steps), "--micro-batch-size", "8", "--dataset-size", "2048", "--backend", "gloo",
             "--checkpoint-dir", os.path.join(workdir, "ckpt"), "--checkpoint-every", str(checkpoint_every),
             "--metrics-dir", os.path.join(workdir, "metrics"), "--summary-json", os.path.join(workdir, "summary.json"),
             "--fail-mode", "slow", "--fail-at-step", "0", "--fail-rank", "0", "--slow-step-s", str(step_s),
-            "--timeout", "10", "--log-every", "1000"]
+            "--timeout", "30", "--log-every", "1000"]
 
 
 def _events(workdir: str) -> list[dict]:
@@ -57,12 +65,13 @@ def rounds(workdir: str) -> list[dict]:
 
 
 def run_elastic(workdir: str, *, steps: int = 40, kill_at_step: int = 12, checkpoint_every: int = 5,
-                global_batch_size: int = 16, step_s: float = 0.06, timeout_s: float = 240.0, show=print) -> dict:
+                global_batch_size: int = 16, step_s: float = 0.06, grow_back: bool = True, alone_steps: int = 3,
+                timeout_s: float = 240.0, show=print) -> dict:
     from ddpkit.notebook import kill_tree
 
     shutil.rmtree(workdir, ignore_errors=True)
     os.makedirs(workdir)
-    port, env = free_port(), {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    port, env = free_port(), {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **AGENT_ENV}
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)
     flags = train_flags(workdir, steps, checkpoint_every, step_s)
@@ -71,6 +80,8 @@ def run_elastic(workdir: str, *, steps: int = 40, kill_at_step: int = 12, checkp
     def start(name: str) -> subprocess.Popen:  # warm: torch imported, the agent not yet started
         out = open(os.path.join(workdir, f"agent-{name}.out"), "w")  # noqa: SIM115 - closed by the child
         cmd = agent_command(port, f"elastic-{port}", global_batch_size, flags, is_host=name == "A")
+        if name == "B2":  # the returning node: its worker must resume the job's checkpoint at once, no restart
+            cmd[cmd.index("--max-restarts") + 1] = "0"
         cmd[1:3] = ["-m", "ddpkit.elastic_drill", "--release", os.path.join(workdir, f"release-{name}"), "--"]
         agents[name] = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
         return agents[name]
@@ -90,8 +101,10 @@ def run_elastic(workdir: str, *, steps: int = 40, kill_at_step: int = 12, checkp
         while not condition():
             if time.monotonic() > deadline:
                 raise TimeoutError(f"elastic drill: timed out waiting for {what}")
-            if not a_may_end and agents["A"].poll() is not None:
-                raise RuntimeError(f"elastic drill: agent A ended (exit {agents['A'].returncode}) waiting for {what}")
+            for name in ("A", "B2") if not a_may_end else ():
+                if name in agents and agents[name].poll() is not None:
+                    raise RuntimeError(f"elastic drill: agent {name} ended (exit {agents[name].returncode}) "
+                                       f"waiting for {what}")
             if time.monotonic() - said > 5:  # never silent for long
                 said = time.monotonic()
                 show(f"... waiting for {what} (the job is at step {_last_step(workdir)})")
@@ -106,22 +119,34 @@ def run_elastic(workdir: str, *, steps: int = 40, kill_at_step: int = 12, checkp
         marks["killed"] = time.time()
         kill_tree(agents["B"].pid)
         agents["B"].wait()
-        show(f"node B (its agent and its worker) SIGKILLed after step {_last_step(workdir)}")
+        done = _last_step(workdir)
+        show(f"node B (its agent and its worker) SIGKILLed after step {done}")
+        if grow_back:
+            start("B2")  # warm while the job re-forms: a spare machine standing by
         wait(lambda: reached(0, 1), "the job to go on with one node")
         resumed = _restored(workdir)[-1]
         show(f"one node: the job re-formed (world 1, accumulation {rounds(workdir)[-1]['grad_accum']}) "
              f"and resumed from step {resumed}")
-        wait(lambda: agents["A"].poll() is not None, f"step {steps}", a_may_end=True)
-        codes = {"A": agents["A"].returncode}
-        show(f"done: step {_last_step(workdir)} with one node")
+        if grow_back:
+            wait(lambda: reached(done + alone_steps, 1), f"{alone_steps} steps past step {done} with one node")
+            marks["returned"] = time.time()
+            release("B2")
+            show(f"node B returns (a new agent) after step {_last_step(workdir)}")
+            wait(lambda: reached(0, 2), "the job to grow back to two nodes")
+            show(f"two nodes again: the job re-formed (world 2, accumulation {rounds(workdir)[-1]['grad_accum']}) "
+                 f"and resumed from step {_restored(workdir)[-1]}")
+        ending = [name for name in agents if name != "B"]
+        wait(lambda: all(agents[n].poll() is not None for n in ending), f"step {steps}", a_may_end=True)
+        codes = {name: agents[name].returncode for name in ending}
+        show(f"done: step {_last_step(workdir)} with {rounds(workdir)[-1]['world_size']} node(s)")
     finally:
         for proc in agents.values():
             if proc.poll() is None:
                 kill_tree(proc.pid)
                 proc.wait()
-    if codes != {"A": 0}:
-        tail = open(os.path.join(workdir, "agent-A.out")).read()[-1500:]
-        raise RuntimeError(f"elastic drill: agents exited {codes}: {tail}")
+    if set(codes.values()) != {0}:
+        tails = {n: open(os.path.join(workdir, f"agent-{n}.out")).read()[-1500:] for n in codes if codes[n]}
+        raise RuntimeError(f"elastic drill: agents exited {codes}: {tails}")
     return summarize(workdir, marks)
 
 
@@ -155,7 +180,21 @@ def summarize(workdir: str, marks: dict) -> dict:
         "back_s": first["time"] - killed,  # from the death to the first step after it
         "steps": final["steps"],
         "data_sha256": final["data_sha256"], "param_sha256": final["param_sha256"],
+        **(_grown(events, membership, marks["returned"]) if "returned" in marks else {}),
     }
+
+
+def _grown(events: list[dict], membership: list[dict], returned: float) -> dict:
+    """The grow-back: the step A's worker saved when its agent stopped it, the step the two-node round
+    resumed from, the steps done twice (0 when the save covered every step done), the seconds it took."""
+    grow = next(r for r in membership if r["time"] > returned)
+    before = [e for e in events if e["time"] < grow["time"]]
+    done_before = max(e["step"] for e in before if e["event"] == "step")
+    saved = [e["step"] for e in before if e["event"] == "preempted" and e["time"] > returned and e.get("saved")]
+    restored = next(e for e in events if e["event"] == "checkpoint_restored" and e["time"] > grow["time"])
+    first = next(e for e in events if e["event"] == "step" and e["time"] > restored["time"])
+    return {"grow_saved_step": saved[-1] if saved else None, "grow_resumed_from": restored["step"],
+            "grow_lost_steps": done_before - restored["step"], "grow_back_s": first["time"] - returned}
 
 
 def _restore_s(events: list[dict], restored: dict) -> float:

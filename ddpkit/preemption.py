@@ -27,6 +27,14 @@ all-reduce, and they wait on each other until the collective timeout ends the jo
    :data:`MARKER` file in the checkpoint folder saying the same, for a wrapper that only sees
    torchrun's exit code; ``--resume`` then finishes bitwise equal to an uninterrupted run.
 
+Under torchrun the notice comes from the worker's agent, and it means one of two things the worker
+cannot tell apart: the agent is going away (it got SIGTERM itself), or a node is waiting to join and
+the agent stops its workers to start a new rendezvous round with it (a scale-up; ``ddpkit/elastic.py``
+cites the torch source). The same SIGTERM, from the same process, with the same grace period by
+default (30 s, then SIGKILL). Saving is right in both: after a scale-up the new round resumes from the
+saved step and loses nothing. So the line says both, and the exit code stays 75: torchrun reads it in
+neither case (an agent drops the results of the workers it stopped).
+
 DataLoader workers ignore SIGTERM (:func:`loader_worker_init`): a signal to the whole process group
 must reach the rank as a notice, not kill the workers it is about to read from; they still die with
 their rank. The flag costs one 4-byte all-reduce per step; it is armed only when there is a
@@ -232,14 +240,21 @@ def clear_marker(checkpoint_dir: str) -> None:
         os.remove(Path(checkpoint_dir) / MARKER)
 
 
-def preempted_line(stopped_step: int, saved: bool, checkpoint: str | None, command: str) -> str:
+TORCHRUN_NOTE = ("under torchrun this may be a membership change instead (the agent stops its workers to "
+                 "admit a node): then torchrun starts new workers itself, they resume from that checkpoint, "
+                 "and there is nothing to do; if torchrun itself was stopped, ")
+"""What the preempted line says under torchrun, where a scale-up and a shutdown send the same SIGTERM."""
+
+
+def preempted_line(stopped_step: int, saved: bool, checkpoint: str | None, command: str,
+                   under_torchrun: bool = False) -> str:
     """The one line a preempted run ends with."""
+    resume = f"{TORCHRUN_NOTE if under_torchrun else ''}resume with: {command}"
     if saved:
-        return f"ddpkit: preempted: every rank stopped after step {stopped_step} and saved it to {checkpoint}; " \
-               f"resume with: {command}"
+        return f"ddpkit: preempted: every rank stopped after step {stopped_step} and saved it to {checkpoint}; {resume}"
     return (f"ddpkit: preempted: every rank stopped after step {stopped_step}, which the loss guard rejected, so "
             f"nothing was saved; the newest good checkpoint is {checkpoint or 'none (the resume starts at step 0)'}; "
-            f"resume with: {command}")
+            f"{resume}")
 
 
 def per_rank_decision_demo(ctx, trainer_class, cfg, notice_rank: int = 1, notice_step: int = 2,

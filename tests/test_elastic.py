@@ -1,14 +1,17 @@
-"""Elastic torchrun: the accumulation that keeps the global batch when the world changes, and the refusal without it.
+"""Elastic torchrun: the accumulation that keeps the global batch when the world changes, the resume of a
+later round, and the refusals without them.
 
 The two-agent drill itself (a node killed, the job on one node, grown back, ``data_sha256`` equal to an
-uninterrupted run's) runs in notebook 21, checked by ``tests/test_notebooks.py``; these tests are the cheap
-parts, and the negative control: without the adjustment the resumed job's global batch differs, and the
-trainer refuses to resume.
+uninterrupted run's, no step lost on the grow-back) runs in notebook 21, checked by
+``tests/test_notebooks.py``; these tests are the cheap parts, and the negative controls: without the
+adjustment the resumed job's global batch differs, and the trainer refuses to resume; without the
+later-round resume, the worker of a node that joins (its agent's restart count is 0) refuses the
+job's own checkpoints.
 """
 
 import pytest
 
-from ddpkit import elastic, state
+from ddpkit import checkpoint, cli, elastic, preemption, state
 from ddpkit.config import TrainConfig
 from ddpkit.checkpoint import CheckpointError
 
@@ -57,3 +60,62 @@ def test_each_agent_says_whether_it_hosts_the_rendezvous_store():
     conf = lambda cmd: cmd[cmd.index("--rdzv-conf") + 1]  # noqa: E731
     assert "is_host=true" in conf(host) and "is_host=false" in conf(other)
     assert host[host.index("--nnodes") + 1] == "1:2" and host[-2:] == ["--steps", "2"]
+
+
+def checkpoint_of(job: str, folder, monkeypatch, step: int = 21) -> TrainConfig:
+    """A checkpoint that job ``job`` wrote at ``step`` (its meta says so) in ``folder``; the config it was written with."""
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", job)
+    cfg = config(2, elastic.worker_argv([], 16, 2))
+    checkpoint.save(folder, step, {"step": step}, meta=state.meta(cfg))
+    return cfg
+
+
+def joining_worker(folder, resume: bool) -> TrainConfig:
+    """The config of the worker a joining agent starts: world 2, torchrun's restart count 0."""
+    argv = elastic.worker_argv(["--micro-batch-size", "8", "--checkpoint-dir", str(folder)], 16, 2, resume=resume)
+    return cli.config_from_args(cli.build_parser().parse_args(argv))
+
+
+def test_a_later_round_is_told_by_the_jobs_own_checkpoint(tmp_path, monkeypatch):
+    assert not elastic.later_round(str(tmp_path), "job-1")  # no checkpoint: the first round
+    checkpoint_of("job-1", tmp_path, monkeypatch)
+    (tmp_path / "step-00000025").mkdir()  # a save that never finished (no manifest): not the job's newest
+    assert elastic.later_round(str(tmp_path), "job-1")
+    assert not elastic.later_round(str(tmp_path), "job-2") and not elastic.later_round(str(tmp_path), None)
+
+
+def test_the_worker_of_a_joining_node_resumes_the_jobs_checkpoint(tmp_path, monkeypatch):
+    checkpoint_of("job-1", tmp_path, monkeypatch)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    cfg = joining_worker(tmp_path, resume=elastic.later_round(str(tmp_path), "job-1"))
+    assert cfg.resume
+    cli.check_before_launch(cfg, attempt=0)  # accepted: same job, same global batch
+
+
+def test_negative_control_without_the_later_round_resume_a_joining_node_refuses_its_jobs_checkpoint(tmp_path,
+                                                                                                     monkeypatch):
+    checkpoint_of("job-1", tmp_path, monkeypatch)
+    with pytest.raises(ValueError, match="already holds checkpoints"):
+        cli.check_before_launch(joining_worker(tmp_path, resume=False), attempt=0)
+
+
+def test_every_agent_of_a_job_that_may_grow_opts_out_of_the_shared_store():
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+
+    # the property torchrun's agent reads to decide whether workers use its store (and so whether the
+    # bootstrap store info is built once, or every round)
+    with pytest.MonkeyPatch.context() as env:
+        for name, value in elastic.AGENT_ENV.items():
+            env.setenv(name, value)
+        assert DynamicRendezvousHandler.use_agent_store.fget(None) is False
+    with pytest.MonkeyPatch.context() as env:
+        env.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", raising=False)
+        assert DynamicRendezvousHandler.use_agent_store.fget(None) is True
+
+
+def test_under_torchrun_the_preempted_line_says_a_scale_up_needs_nothing():
+    plain = preemption.preempted_line(21, True, "ck/step-00000021", "ddpkit train --resume")
+    under = preemption.preempted_line(21, True, "ck/step-00000021", "torchrun -m ddpkit train --resume",
+                                      under_torchrun=True)
+    assert "membership change" not in plain and plain.endswith("resume with: ddpkit train --resume")
+    assert "membership change" in under and under.endswith("resume with: torchrun -m ddpkit train --resume")

@@ -383,8 +383,9 @@ def check_20(records):
 
 def check_21(records):
     elastic = records["elastic"]
-    assert elastic["worlds"] == [2, 1]
+    assert elastic["worlds"] == [2, 1, 2]
     assert elastic["global_batches"] == [16] and elastic["same_data"] and elastic["lost_steps"] >= 1
+    assert elastic["grow_lost_steps"] == 0 and elastic["grow_saved_step"] == elastic["grow_resumed_from"]
     if not records["torchft"]:  # the optional extra is missing: the torchft cells said so and skipped
         assert "replicas" not in records and "mid_allreduce" not in records
         return
