@@ -40,6 +40,37 @@ def _trained(ctx, cfg) -> dict:
         trainer.close()
 
 
+def _idle_rank(ctx) -> dict:
+    """Every token routed to expert 1 (rank 1's): rank 0's expert gets no rows, and its backward must still
+    join both all-to-alls. Gradients compared with the single-process MoE on every rank's tokens."""
+    import torch
+    import torch.distributed as dist
+
+    from ddpkit.parallel.expert_parallel import ExpertParallelMoE
+    from ddpkit.parallel.experts import MoE
+
+    def layer():
+        torch.manual_seed(0)
+        moe = MoE(8, num_experts=2, k=1, capacity_factor=None, aux_coef=0.0)
+        with torch.no_grad():
+            moe.router.weight.copy_(torch.stack([-torch.ones(8), torch.ones(8)]))  # positive tokens: expert 1 wins
+        return moe
+
+    x = torch.rand(2, 6, 8, generator=torch.Generator().manual_seed(1)) + 0.1
+    full, split = layer(), ExpertParallelMoE(layer(), dist.group.WORLD)
+    x_ref, x_mine = x.clone().requires_grad_(True), x[ctx.rank].clone().requires_grad_(True)
+    full(x_ref).square().sum().backward()
+    split(x_mine).square().sum().backward()
+    return {"received": split.stats["received_per_local_expert"],
+            "input_grad_diff": float((x_mine.grad - x_ref.grad[ctx.rank]).abs().max())}
+
+
+def test_a_rank_whose_experts_get_no_tokens_still_joins_the_backward_all_to_alls():
+    idle, busy = launch(_idle_rank, world_size=2, output="none")
+    assert idle["received"] == [0] and busy["received"] == [12]
+    assert idle["input_grad_diff"] <= 1e-6 and busy["input_grad_diff"] <= 1e-6
+
+
 @pytest.fixture(scope="module")
 def ep_runs(tmp_path_factory):
     folder = tmp_path_factory.mktemp("ep")
@@ -105,7 +136,8 @@ def test_the_summary_counts_tokens_per_expert_and_drops(ep_runs):
     (("--world-size", "4", "--experts", "4", "--top-k", "5", "--model", "gpt"), "top-k 5 must be between 1 and"),
     (("--world-size", "4", "--experts", "4", "--model", "mlp"), "use --model gpt"),
     (("--world-size", "4", "--experts", "4", "--amp", "fp16", "--model", "gpt"), "use --amp bf16 or off"),
-], ids=["experts", "world", "mlp", "no-experts", "tp", "cp", "pp", "fsdp2", "top-k", "moe-mlp", "fp16"])
+    (("--world-size", "4", "--experts", "4", "--activation-checkpointing", "--model", "gpt"), "drop --activation-checkpointing"),
+], ids=["experts", "world", "mlp", "no-experts", "tp", "cp", "pp", "fsdp2", "top-k", "moe-mlp", "fp16", "recompute"])
 def test_bad_ep_layouts_are_refused_in_one_line_before_any_rank_starts(capsys, args, words):
     assert cli.main(["train", *args]) == 2
     out = capsys.readouterr()
