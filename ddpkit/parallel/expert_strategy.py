@@ -18,7 +18,8 @@ step's gradient must be the mean over all world ranks' losses (what DDP gives th
 
 Megatron-Core does the same (``DistributedDataParallel``: ``expert_gradient_scaling_factor`` is
 1 / the data-parallel size, the sum taken over the expert-data-parallel group), and torchtitan shards
-the experts with FSDP over the data-parallel ranks that are not expert-parallel. Averaging the experts'
+the experts with FSDP over the data-parallel ranks with the ep slice factored out (its
+``dp_shard_mod_ep`` mesh dimension). Averaging the experts'
 gradients over the edp group instead (dividing by its size) would make them ep times too large;
 reducing them over the whole world would mix different experts' gradients (the tests' negative control).
 With ep = 1 this is DDP of the MoE GPT over the world: every expert on every rank.
@@ -50,7 +51,7 @@ from ddpkit.parallel.ddp import DDPStrategy
 from ddpkit.parallel.expert_parallel import ExpertParallelMoE
 from ddpkit.parallel.experts import MoE
 
-AUX_COEF = 1e-2  # Switch Transformer's load-balancing coefficient (Fedus et al. 2021, Section 2.2)
+AUX_COEF = 1e-2  # the Switch Transformer's load-balancing coefficient (Fedus et al. 2021, arXiv 2101.03961)
 EXPERT_KEY = ".experts."  # parameter names of the experts' stacked weights: blocks.{i}.mlp.experts.{w1,b1,w2,b2}
 
 
