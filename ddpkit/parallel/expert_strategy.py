@@ -47,6 +47,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ddpkit.metrics import CommTimer
 from ddpkit.parallel.ddp import DDPStrategy
 from ddpkit.parallel.expert_parallel import ExpertParallelMoE
 from ddpkit.parallel.experts import MoE
@@ -77,6 +78,7 @@ class ExpertParallelStrategy(DDPStrategy):
 
             self.mesh = init_device_mesh(ctx.device.type, (ctx.world_size // self.ep, self.ep), mesh_dim_names=("edp", "ep"))
         self.totals: list[dict] | None = None
+        self.timer = CommTimer(ctx.device if ctx else None)
 
     @property
     def ep_group(self):
@@ -144,9 +146,15 @@ class ExpertParallelStrategy(DDPStrategy):
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
             flat = torch.cat([p.grad.reshape(-1) for p in params]).div_(world)
-            dist.all_reduce(flat, group=group)
+            with self.timer.timed(flat.numel() * flat.element_size()):
+                dist.all_reduce(flat, group=group)
             for p, part in zip(params, flat.split([p.numel() for p in params])):
                 p.grad.copy_(part.view_as(p))
+
+    def comm_timer(self, model: torch.nn.Module) -> CommTimer:
+        """ep = 1: DDP's hook. ep > 1: the two gradient all-reduces (the all-to-alls run inside forward and
+        backward, in the compute phases)."""
+        return super().comm_timer(model) if self.ep == 1 else self.timer
 
     def clip_grad_norm_(self, model: torch.nn.Module, max_norm: float) -> torch.Tensor:
         """The norm of the whole gradient: the replicated part once, the experts' summed over the ep group;
