@@ -222,8 +222,9 @@ class Trainer:
         """Announce the run (rank 0) and let the strategy settle before the first step (collective)."""
         cfg, ctx = self.cfg, self.ctx
         if ctx.is_main:
+            experts = f", {cfg.experts} experts over ep {cfg.ep}" if cfg.experts else ""
             print(f"ddpkit train: {cfg.model}, world {ctx.world_size} ({ctx.backend}, {ctx.device.type}, "
-                  f"{cfg.strategy}, {ctx.dims.describe()}{f', {cfg.experts} experts over ep {cfg.ep}' if cfg.experts else ''}), global batch {cfg.global_batch_size} = "
+                  f"{cfg.strategy}, {ctx.dims.describe()}{experts}), global batch {cfg.global_batch_size} = "
                   f"{cfg.micro_batch_size} x {cfg.grad_accum} x {ctx.dp_size}, steps {self.step} -> {cfg.steps}, "
                   f"digest {cfg.digest()[:12]}", flush=True)
         self.strategy.prepare(self.model, micro_step(self.model, self.scaler, cfg, ctx.device, 1,
