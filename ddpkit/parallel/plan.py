@@ -246,8 +246,11 @@ def seed003_cluster(nodes: int = 16, inter_bandwidth: float = 50e9, inter_alpha_
     unidirectional bandwidth"). The figure changes one answer of seed 003's 70B example: with ZeRO
     allowed at the seed's batch, TP 4 x DP 32 with ZeRO-3 now ranks just ahead of TP 8 x DP 16 with
     ZeRO-2 (within 2%; the other way round at 600 GB/s), because TP 8's activation all-reduces over
-    NVLink take twice as long. Without ZeRO the seed's TP 8 x PP 4 x DP 4 stays first. Peak bf16 312 TFLOP/s of which half is sustained (the Megatron-LM paper's end-to-end
-    52% on 3072 GPUs); HBM 2.0 TB/s. The latencies (3 us a hop inside a node, 10 us across) are
+    NVLink take nearly twice as long (0.28 s a step instead of 0.15 s). Without ZeRO the seed's
+    TP 8 x PP 4 x DP 4 stays first.
+
+    Peak bf16 312 TFLOP/s of which half is sustained (the Megatron-LM paper's end-to-end 52% on 3072
+    GPUs); HBM 2.0 TB/s. The latencies (3 us a hop inside a node, 10 us across) are
     assumptions: they hardly matter for messages of tens of megabytes."""
     from ddpkit.capstone import peak_tflops
 
