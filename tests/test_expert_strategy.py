@@ -1,7 +1,7 @@
 """``--experts E --ep N``: the GPT's MLPs as mixtures of experts, the experts split over ep ranks, data
 parallel over the world. DDP's samples and (within a tolerance) the losses of the same MoE GPT under plain
 DDP; the reduction over the ranks that hold the same experts (and what breaks with the whole world
-instead); exact resume, and resume without expert parallelism; tokens per expert and drops in the
+instead); exact resume, and resume without expert parallelism and back; tokens per expert and drops in the
 summary; bad layouts refused before any rank starts."""
 
 import json
@@ -78,12 +78,14 @@ def ep_runs(tmp_path_factory):
     assert cli.main(["train", "--world-size", "4", "--ep", "2", "--experts", "4", "--model", "gpt", "--steps", "6",
                      "--dataset-size", "512", "--log-every", "100", "--checkpoint-dir", str(folder / "a"),
                      "--checkpoint-every", "3", "--summary-json", str(path)]) == 0
-    out = {"whole": json.loads(path.read_text()), "ddp": run(4, **MOE)}
-    for copy in ("b", "c"):  # the uninterrupted run's step-3 checkpoint, its step 6 taken away
-        shutil.copytree(folder / "a", folder / copy)
+    out = {"whole": json.loads(path.read_text()),
+           "ddp": run(4, checkpoint_dir=str(folder / "d"), checkpoint_every=3, **MOE)}
+    for source, copy in (("a", "b"), ("a", "c"), ("d", "e")):  # an uninterrupted run's step 3, its step 6 taken away
+        shutil.copytree(folder / source, folder / copy)
         shutil.rmtree(checkpoint.step_dir(folder / copy, 6))
     out["resumed"] = run(4, ep=2, checkpoint_dir=str(folder / "b"), resume=True, **MOE)
     out["as_ddp"] = run(4, checkpoint_dir=str(folder / "c"), resume=True, **MOE)
+    out["from_ddp"] = run(4, ep=2, checkpoint_dir=str(folder / "e"), resume=True, **MOE)
     out["control"] = launch(_trained, TrainConfig(world_size=4, ep=2, **MOE), world_size=4, output="none")
     return out
 
@@ -100,8 +102,8 @@ def test_expert_gradients_reduced_over_the_world_mix_experts_and_leave_ddps_loss
     assert max_loss_diff(control[0], ddp) > 100 * LOSS_TOL
 
 
-def test_ep_resumes_exactly_and_continues_without_ep(ep_runs):
-    whole, resumed, other = ep_runs["whole"], ep_runs["resumed"], ep_runs["as_ddp"]
+def test_ep_resumes_exactly_and_continues_without_ep_and_back(ep_runs):
+    whole, resumed, other, back = ep_runs["whole"], ep_runs["resumed"], ep_runs["as_ddp"], ep_runs["from_ddp"]
     assert resumed["resumed_from_step"] == 3 and resumed["ep"] == 2
     assert resumed["param_sha256"] == whole["param_sha256"]
     assert resumed["optimizer_sha256"] == whole["optimizer_sha256"]
@@ -109,6 +111,9 @@ def test_ep_resumes_exactly_and_continues_without_ep(ep_runs):
     assert other["resumed_from_step"] == 3 and other["ep"] == 1
     assert other["data_sha256"] == whole["data_sha256"]
     assert max_loss_diff(other, whole, skip=3) <= CROSS_TOL
+    assert back["resumed_from_step"] == 3 and back["ep"] == 2  # an ep 1 checkpoint sliced into ep 2's experts
+    assert back["data_sha256"] == ep_runs["ddp"]["data_sha256"]
+    assert max_loss_diff(back, ep_runs["ddp"], skip=3) <= CROSS_TOL
 
 
 def test_the_summary_counts_tokens_per_expert_and_drops(ep_runs):
