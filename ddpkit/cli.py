@@ -78,6 +78,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pp-schedule", default=d.pp_schedule, metavar="|".join(PP_SCHEDULES),
                    help="pipeline schedule (zero-bubble: ZB-H1, the weight gradients deferred)")
     p.add_argument("--cp", type=int, default=d.cp, help="context-parallel degree (the GPT's sequences split; world = dp x cp x tp x pp)")
+    p.add_argument("--experts", type=int, default=d.experts,
+                   help="GPT: replace each MLP by a mixture of this many experts (0: the dense MLP)")
+    p.add_argument("--top-k", type=int, default=d.top_k, help="with --experts: experts per token")
+    p.add_argument("--capacity-factor", type=float, default=d.capacity_factor,
+                   help="with --experts: an expert takes at most factor x top-k x tokens / experts; the rest are dropped")
+    p.add_argument("--ep", type=int, default=d.ep,
+                   help="expert-parallel degree: the experts split over ep ranks, tokens sent by all-to-all")
     p.add_argument("--activation-checkpointing", action="store_true",
                    help="recompute activations in backward instead of storing them")
     p.add_argument("--checkpoint-dir", default=None)

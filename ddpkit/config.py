@@ -28,7 +28,7 @@ import math
 import os
 from dataclasses import dataclass, field
 
-from ddpkit.parallel import fsdp_flags
+from ddpkit.parallel import expert_flags, fsdp_flags
 from ddpkit.parallel.dims import ParallelDims
 
 MODELS = ("mlp", "gpt")
@@ -102,6 +102,14 @@ class TrainConfig:
     """GPT attention heads (must divide d_model)."""
     n_layers: int = learned(2)
     """GPT transformer blocks."""
+    experts: int = learned(0)
+    """GPT only: 0 keeps each block's MLP; E >= 1 replaces it by a mixture of E expert MLPs
+    (``parallel/experts.py``: router, top-k, capacity, load-balancing loss)."""
+    top_k: int = learned(2)
+    """With experts: how many experts each token goes to (1 .. experts)."""
+    capacity_factor: float = learned(1.25)
+    """With experts: each expert takes at most ceil(factor x top_k x tokens / E) of a rank's micro-batch's
+    tokens; the rest are dropped (carried on by the residual connection)."""
 
     # --- how it runs (not in the digest) ------------------------------------------------------
     world_size: int = runtime(2)
@@ -115,6 +123,9 @@ class TrainConfig:
     input-gradient and weight-gradient parts, the weight parts run later). Same gradients, same numbers."""
     cp: int = runtime(1)
     """Context-parallel degree: ranks that split every sequence's positions (ring attention; world = dp x cp x tp x pp)."""
+    ep: int = runtime(1)
+    """Expert-parallel degree: ranks that split the experts, E/ep each, tokens routed by all-to-all; they
+    see different samples (world = dp, of which ep divides each expert's replicas: world / ep)."""
     strategy: str = runtime("ddp")
     """How the model, gradients and optimizer state are split across data-parallel ranks: ``ddp``
     (replicate all), ``zero1`` (ours: shard the optimizer state), ``zero1-torch`` (PyTorch's
@@ -218,11 +229,11 @@ class TrainConfig:
         need(not (self.strategy in SHARDED and self.checkpoint_dir and self.checkpoint_format == "full"),
              f"strategy {self.strategy} keeps only a shard of each parameter on every rank: use --checkpoint-format dcp "
              "(every rank writes its own shards)")
-        for name in ("world_size", "tp", "pp", "cp", "micro_batch_size", "grad_accum", "dataset_size", "keep_last",
+        for name in ("world_size", "tp", "pp", "cp", "ep", "micro_batch_size", "grad_accum", "dataset_size", "keep_last",
                      "input_width", "hidden_width", "num_classes", "vocab_size", "seq_len",
                      "d_model", "n_heads", "n_layers", "log_every"):
             need(getattr(self, name) >= 1, f"{flag(name)} must be >= 1, got {getattr(self, name)}")
-        for name in ("steps", "warmup_steps", "checkpoint_every", "max_restarts", "num_workers", "replicate", "shard"):
+        for name in ("steps", "warmup_steps", "checkpoint_every", "max_restarts", "num_workers", "replicate", "shard", "experts"):
             need(getattr(self, name) >= 0, f"{flag(name)} must be >= 0, got {getattr(self, name)}")
         need(0 <= self.seed <= MAX_SEED, f"seed must be in 0 .. {MAX_SEED}, got {self.seed}")
         need(0 < self.lr <= 1, f"lr must be in (0, 1], got {self.lr}")
@@ -250,6 +261,7 @@ class TrainConfig:
         need(self.world_size % (self.cp * self.tp * self.pp) == 0 and self.seq_len % (2 * self.cp) == 0,
              f"cp {self.cp} (times tp {self.tp} and pp {self.pp}) must divide the world size ({self.world_size}), and cp "
              f"half the sequence length ({self.seq_len}): choose a cp that divides both")
+        expert_flags.check(self, need)
         need(self.tp == 1 or self.model == "gpt",
              "tensor parallelism splits the GPT's attention heads and MLP: use --model gpt")
         need(self.tp == 1 or (self.n_heads % self.tp == 0 and 4 * self.d_model % self.tp == 0),
@@ -314,12 +326,15 @@ class TrainConfig:
             params = (self.input_width + 1) * self.hidden_width + (self.hidden_width + 1) * (self.hidden_width + self.num_classes)
         else:
             data = self.dataset_size * (self.seq_len + 1) * 8
-            params = (self.vocab_size * 2 + self.seq_len) * self.d_model + self.n_layers * 13 * self.d_model**2
+            params = ((self.vocab_size * 2 + self.seq_len) * self.d_model
+                      + self.n_layers * (13 + 8 * max(0, self.experts - 1)) * self.d_model**2)  # an MLP is 8 d^2 of 13
         return data + 16 * params
 
     def semantics(self) -> dict:
         """The fields that decide what is learned, plus the global batch: what the digest covers."""
         names = [f.name for f in dataclasses.fields(self) if f.metadata["digest"]]
+        if not self.experts:  # the dense model: its routing fields decide nothing, and its digest stays as it was
+            names = [n for n in names if n not in ("experts", "top_k", "capacity_factor")]
         return {**{n: getattr(self, n) for n in names}, "global_batch_size": self.global_batch_size}
 
     def digest(self) -> str:

@@ -110,6 +110,10 @@ def build_model(cfg: TrainConfig) -> nn.Module:
         model = MLP(cfg.input_width, cfg.hidden_width, cfg.num_classes)
     else:
         model = TinyGPT(cfg.vocab_size, cfg.seq_len, cfg.d_model, cfg.n_heads, cfg.n_layers)
+        if cfg.experts:  # every block's MLP becomes a mixture of experts (parallel/experts.py)
+            from ddpkit.parallel.experts import moe_gpt
+
+            moe_gpt(model, cfg.experts, cfg.top_k, cfg.capacity_factor, seed=cfg.seed)
     model.activation_checkpointing = cfg.activation_checkpointing
     return model
 

@@ -222,8 +222,9 @@ class Trainer:
         """Announce the run (rank 0) and let the strategy settle before the first step (collective)."""
         cfg, ctx = self.cfg, self.ctx
         if ctx.is_main:
+            experts = f", {cfg.experts} experts over ep {cfg.ep}" if cfg.experts else ""
             print(f"ddpkit train: {cfg.model}, world {ctx.world_size} ({ctx.backend}, {ctx.device.type}, "
-                  f"{cfg.strategy}, {ctx.dims.describe()}), global batch {cfg.global_batch_size} = "
+                  f"{cfg.strategy}, {ctx.dims.describe()}{experts}), global batch {cfg.global_batch_size} = "
                   f"{cfg.micro_batch_size} x {cfg.grad_accum} x {ctx.dp_size}, steps {self.step} -> {cfg.steps}, "
                   f"digest {cfg.digest()[:12]}", flush=True)
         self.strategy.prepare(self.model, micro_step(self.model, self.scaler, cfg, ctx.device, 1,
@@ -267,7 +268,7 @@ class Trainer:
         guard = self.guard.state_dict() if self.guard else {"rollbacks": 0, "skipped_batches": [], "events": []}
         summary = {
             "world_size": ctx.world_size, "backend": ctx.backend, "model": cfg.model, "strategy": cfg.strategy,
-            "dp": ctx.dims.dp, "tp": ctx.dims.tp, "pp": ctx.dims.pp, "cp": ctx.dims.cp,
+            "dp": ctx.dims.dp, "tp": ctx.dims.tp, "pp": ctx.dims.pp, "cp": ctx.dims.cp, "ep": cfg.ep, "experts": cfg.experts,
             "global_batch_size": cfg.global_batch_size, "steps": self.step, "applied_steps": self.applied_steps,
             "losses": self.losses, "param_sha256": metrics.state_sha256(model_state),
             "param_l2": metrics.state_l2(model_state), "data_sha256": self.data_sha256,
@@ -281,11 +282,16 @@ class Trainer:
             "rollbacks": guard["rollbacks"], "skipped_batches": guard["skipped_batches"], "guard_events": guard["events"],
             "phase_s": phase_means, "wall_s": time.perf_counter() - self.started, "rank": ctx.rank,
         }
+        if cfg.experts:  # per MoE layer: tokens per expert and drops, over the world and this run's steps
+            summary["moe"] = self.strategy.expert_stats()
         self.log.event("end", self.step, param_sha256=summary["param_sha256"], data_sha256=self.data_sha256)
         if ctx.is_main:
             if self.losses:
                 print(f"done: step {self.step}, loss {self.losses[0]['loss']:.4f} -> {self.losses[-1]['loss']:.4f}, "
                       f"param_sha256 {summary['param_sha256'][:16]}", flush=True)
+            for i, layer in enumerate(summary.get("moe", [])):
+                print(f"moe layer {i}: tokens per expert {layer['tokens_per_expert']}, dropped {layer['dropped']} "
+                      f"of {layer['assignments']} assignments", flush=True)
             if cfg.summary_json:
                 metrics.write_summary(cfg.summary_json, summary)
         return summary

@@ -11,7 +11,7 @@ from ddpkit.parallel import calibrate, memory
 from ddpkit.parallel.comm import AlphaBeta
 from ddpkit.parallel.plan import (SEED003_LAYOUT, activation_bytes_per_layer, llama2_70b, memory_per_gpu, placements,
                                   plan, seed003_cluster)
-from ddpkit.parallel.step_time import Layout, ModelSpec, group_spans_nodes, step_time
+from ddpkit.parallel.step_time import Cluster, Layout, ModelSpec, group_spans_nodes, step_time
 
 GB = 1e9
 
@@ -71,6 +71,19 @@ def test_with_zero_allowed_the_planner_chooses_otherwise_and_faster():
     assert free.best.layout.zero > 0 and free.best.layout.pp == 1 and free.best.step_s < 0.8 * seed
 
 
+def test_nvlink_per_direction_bandwidth_decides_the_zero_tie():
+    """At NVLink's 300 GB/s per direction TP 4 x DP 32 (ZeRO-3) edges out TP 8 x DP 16 (ZeRO-2); at the
+    seed's 600 GB/s (both directions added) the order flips: the figure is what decides it."""
+    model, cluster = llama2_70b(), seed003_cluster()
+    assert cluster.intra.bandwidth == 300e9
+    shape = lambda c: (c.layout.tp, c.layout.pp, c.layout.dp, c.layout.zero)  # noqa: E731
+    per_direction = plan(model, cluster, global_batch=32, virtual=(1,)).fits[:2]
+    assert [shape(c) for c in per_direction] == [(4, 1, 32, 3), (8, 1, 16, 2)]
+    assert per_direction[1].step_s < 1.05 * per_direction[0].step_s
+    both_ways = Cluster(**{**cluster.__dict__, "intra": AlphaBeta(cluster.intra.alpha_s, 600e9)})
+    assert shape(plan(model, both_ways, global_batch=32, virtual=(1,)).best) == (8, 1, 16, 2)
+
+
 def test_tensor_parallelism_stays_inside_a_node_when_the_inter_node_link_is_slow():
     model, slow = llama2_70b(), seed003_cluster()
     top = plan(model, slow, global_batch=1024, zero=(0, 1)).fits[:30]
@@ -79,7 +92,7 @@ def test_tensor_parallelism_stays_inside_a_node_when_the_inter_node_link_is_slow
     inside = [r for r in placements(model, slow, SEED003_LAYOUT) if "tp" not in r["spans_nodes"]]
     assert min(r["step_s"] for r in crossing) > 1.3 * inside[0]["step_s"]
     # negative control: with one link class, where tp sits costs nothing
-    flat = seed003_cluster(inter_bandwidth=600e9, inter_alpha_s=3e-6)
+    flat = seed003_cluster(inter_bandwidth=slow.intra.bandwidth, inter_alpha_s=slow.intra.alpha_s)
     times = {round(r["step_s"], 9) for r in placements(model, flat, SEED003_LAYOUT)}
     assert len(times) == 1
 

@@ -13,7 +13,8 @@ to whole 2-rank all-reduces and then reusing that alpha per message counts the l
 all-reduces of known world size).
 
 **Two link classes.** Inside a node GPUs talk over NVLink; between nodes over the network, 10-100x
-slower (seed 003: 600 GB/s NVLink against 50 GB/s for 400 Gb/s InfiniBand, 12x). A flat ring that
+slower (seed 003: 600 GB/s NVLink against 50 GB/s for 400 Gb/s InfiniBand, 12x; the A100's 600 GB/s
+adds both directions, and a ring sends one way, so per direction it is 300 GB/s, 6x). A flat ring that
 crosses nodes moves at its slowest hop, every step (:func:`ring_all_reduce_seconds` with ``inter``); a
 hierarchical all-reduce (reduce-scatter inside each node, all-reduce across nodes on 1/g of the bytes,
 all-gather inside) sends only 1/g of the bytes over the slow links (:func:`hierarchical_all_reduce_seconds`).

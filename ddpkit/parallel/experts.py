@@ -125,10 +125,13 @@ class Experts(nn.Module):
         self.b2 = nn.Parameter(torch.zeros(num_experts, d_model))
 
     def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """Rows sorted by (local) expert, ``counts[e]`` of them for expert e -> each through its expert."""
+        """Rows sorted by (local) expert, ``counts[e]`` of them for expert e -> each through its expert.
+        An expert with no rows still runs (on zero rows): the output stays part of the autograd graph
+        even when every expert here is idle, so that under expert parallelism this rank's backward
+        still joins the all-to-alls its peers call."""
         outs = [F.gelu(part @ self.w1[e] + self.b1[e]) @ self.w2[e] + self.b2[e]
-                for e, part in enumerate(rows.split(counts)) if part.numel()]
-        return torch.cat(outs) if outs else rows.new_zeros(0, self.w2.shape[-1])
+                for e, part in enumerate(rows.split(counts))]
+        return torch.cat(outs)
 
 
 class MoE(nn.Module):

@@ -235,14 +235,27 @@ def llama2_70b(seq_len: int = 4096) -> ModelSpec:
 
 
 def seed003_cluster(nodes: int = 16, inter_bandwidth: float = 50e9, inter_alpha_s: float = 10e-6) -> Cluster:
-    """Seed 003's cluster: nodes of 8 A100-80GB on NVLink (its 600 GB/s) joined by InfiniBand (its
-    400 Gb/s = 50 GB/s). Peak bf16 312 TFLOP/s of which half is sustained (the Megatron-LM paper's end-to-end
-    52% on 3072 GPUs); HBM 2.0 TB/s. The latencies (3 us a hop inside a node, 10 us across) are
+    """Seed 003's cluster: nodes of 8 A100-80GB on NVLink joined by InfiniBand (its 400 Gb/s = 50 GB/s
+    per direction).
+
+    NVLink runs at 300 GB/s here, not the seed's 600 GB/s. The A100's twelve third-generation NVLinks
+    carry 25 GB/s each way: 600 GB/s is both directions added (NVIDIA A100 Tensor Core GPU Architecture
+    whitepaper, 2020, "Third-Generation NVLink"). A ring all-reduce sends and receives at once, so its
+    per-rank time 2(N-1)/N x M / B needs B per direction, which is what nccl-tests' bus bandwidth
+    measures and compares to the hardware's peak (nccl-tests, doc/PERFORMANCE.md: "The measurement is of a
+    unidirectional bandwidth"). The figure changes one answer of seed 003's 70B example: with ZeRO
+    allowed at the seed's batch, TP 4 x DP 32 with ZeRO-3 now ranks just ahead of TP 8 x DP 16 with
+    ZeRO-2 (within 2%; the other way round at 600 GB/s), because TP 8's activation all-reduces over
+    NVLink take nearly twice as long (0.28 s a step instead of 0.15 s). Without ZeRO the seed's
+    TP 8 x PP 4 x DP 4 stays first.
+
+    Peak bf16 312 TFLOP/s of which half is sustained (the Megatron-LM paper's end-to-end 52% on 3072
+    GPUs); HBM 2.0 TB/s. The latencies (3 us a hop inside a node, 10 us across) are
     assumptions: they hardly matter for messages of tens of megabytes."""
     from ddpkit.capstone import peak_tflops
 
     return Cluster(nodes=nodes, gpus_per_node=8, memory=80e9, flops=0.5 * peak_tflops("NVIDIA A100-SXM4-80GB") * 1e12,
-                   intra=AlphaBeta(3e-6, 600e9), inter=AlphaBeta(inter_alpha_s, inter_bandwidth),
+                   intra=AlphaBeta(3e-6, 300e9), inter=AlphaBeta(inter_alpha_s, inter_bandwidth),
                    memory_bandwidth=2.0e12, name="seed 003: 16 x 8 A100-80GB")
 
 
