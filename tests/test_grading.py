@@ -182,6 +182,10 @@ KIT_ANSWERS = [  # the kit's own answer, or PyTorch's, reached under the contrac
     ("13_one_f_one_b", "from ddpkit.parallel.pipeline import one_f_one_b as _schedule\n\n\n"
                        "def one_f_one_b(p, m):\n    return [[(a.kind, a.micro) for a in stage] for stage in _schedule(p, m)]\n",
      "uses the kit's own schedule"),
+    ("13b_interleaved_order", "from ddpkit.parallel.pipeline_schedules import interleaved\n\n\n"
+                              "def interleaved_order(rank, p, v, m):\n"
+                              "    return [(a.kind, a.stage, a.micro) for a in interleaved(p, m, v)[rank]]\n",
+     "uses the kit's own schedule"),
     ("12_f_and_g", "from ddpkit.parallel.tensor import CopyToTP, ReduceFromTP\n\n\n"
                    "def copy_to_parallel(x):\n    return CopyToTP.apply(x, None)\n\n\n"
                    "def reduce_from_parallel(x):\n    return ReduceFromTP.apply(x, None)\n", "uses the kit's own"),
