@@ -638,6 +638,14 @@ def micro_batch_first(rank, p, v, m):  # each micro-batch through every chunk of
     return [("F", *next(forwards)) if kind == "F" else (kind, c, i) for kind, c, i in interleaved_order(rank, p, v, m)]
 
 
+def one_more_warmup_forward(rank, p, v, m):  # the same bubble, one more micro-batch's activations held
+    order = interleaved_order(rank, p, v, m)
+    first_backward = next(k for k, action in enumerate(order) if action[0] == "B")
+    if first_backward + 1 < len(order) and order[first_backward + 1][0] == "F":  # the next forward moves before it
+        order[first_backward], order[first_backward + 1] = order[first_backward + 1], order[first_backward]
+    return order
+
+
 def a_table_of_the_fixed_shapes(rank, p, v, m):  # right where the shapes can be read in the check, wrong elsewhere
     return interleaved_order(rank, p, v, m) if (p, v, m) in FIXED else own_chunk_only(rank, p, v, m)
 
@@ -655,7 +663,7 @@ def torchs_own(rank, p, v, m):  # the answer read off torch's class, the schedul
 
 
 grade(check_interleaved_order, interleaved_order, plain_1f1b, own_chunk_only, backwards_first_to_last, micro_batch_first,
-      a_table_of_the_fixed_shapes, torchs_own)
+      one_more_warmup_forward, a_table_of_the_fixed_shapes, torchs_own)
 
 
 def test_interleaved_order_check(verdicts):
@@ -666,10 +674,13 @@ def test_interleaved_order_check(verdicts):
     assert "rank 0's first backward is on chunk 0, whose gradient needs that of chunk 2" in \
         v(check_interleaved_order, backwards_first_to_last).message
     assert "of the ideal compute time, not (p-1)/(v m)" in v(check_interleaved_order, micro_batch_first).message
+    assert "holds 3 micro-batches' activations at once, ScheduleInterleaved1F1B's order 2.5: same bubble, more memory" in \
+        v(check_interleaved_order, one_more_warmup_forward).message  # the bubble alone would pass it: torch's order does not
     table = v(check_interleaved_order, a_table_of_the_fixed_shapes).message
     assert "but it holds" in table and not any(f"p={p}, v={w}, m={m} " in table for p, w, m in FIXED), table
     assert "uses torch's ScheduleInterleaved1F1B" in v(check_interleaved_order, torchs_own).message
-    wrong = (plain_1f1b, own_chunk_only, backwards_first_to_last, micro_batch_first, a_table_of_the_fixed_shapes)
+    wrong = (plain_1f1b, own_chunk_only, backwards_first_to_last, micro_batch_first, one_more_warmup_forward,
+             a_table_of_the_fixed_shapes)
     assert all(len(v(check_interleaved_order, fn).message) < 200 for fn in wrong)
 
 

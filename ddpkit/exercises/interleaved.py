@@ -13,7 +13,8 @@ no table of answers can pass), and requires for each shape:
    its micro-batch, a backward its own forward and the next chunk's backward; a deadlock is refused);
 3. the bubble is Narayanan et al.'s (p - 1) / (v m) of the ideal compute time (their section 2.2.2);
 4. the order is the one torch's own ``ScheduleInterleaved1F1B`` gives that rank (read from the class's
-   per-rank generator, :func:`ddpkit.parallel.pipeline_schedules.torch_order`).
+   per-rank generator, :func:`ddpkit.parallel.pipeline_schedules.torch_order`); an order with the same
+   bubble that holds more activations (a warm-up longer than needed) is told so.
 
 A wrong order gets one sentence that names what went wrong, not the order to write: a warm-up too short
 for the micro-batch to come back, backwards that leave the rank's chunks in the wrong order, or the idle
@@ -125,6 +126,10 @@ def check_interleaved_order(fn) -> Result:
             if order != theirs:
                 k = next(k for k, (a, b) in enumerate(zip(order, theirs)) if a != b)
                 kind, chunk, micro = order[k]
+                mine, torchs = schedules.held(timeline, r, v), schedules.held(schedules.simulate(torch_orders), r, v)
+                if mine > torchs:
+                    return Result(False, f"{_shape(p, v, m)} rank {r} holds {mine:g} micro-batches' activations at once, "
+                                         f"ScheduleInterleaved1F1B's order {torchs:g}: same bubble, more memory")
                 return Result(False, f"{_shape(p, v, m)} rank {r}'s step {k} ({kind} of micro-batch {micro} on chunk "
                                      f"{chunk}) is not ScheduleInterleaved1F1B's: same bubble, another order")
     return Result(True, f"torch's ScheduleInterleaved1F1B order on every rank and the bubble (p-1)/(v m), for "
