@@ -127,6 +127,57 @@ QUESTIONS = [
              "chunks per GPU: 3/19 = 16%). bf16 without a loss scaler, activation checkpointing, DDP's all-reduce "
              "overlapped with backward. Checkpoints: asynchronous, every 15 minutes, so a failure loses 7.5 minutes on "
              "average and 15 plus the save in flight and the restart at worst, not 'at most 15'."),
+    # the advanced lessons (10b, 13, 17-19): each number below is computed by the kit (tests/test_drill.py)
+    Question("context-parallel", "lesson 17; Liu et al. 2023", "How do you train on a sequence too long for one GPU's "
+             "activations, and why the zig-zag layout?",
+             "Context parallelism: every rank holds 1/N of the sequence in every layer, so activations shrink N-fold. "
+             "Everything but attention is per position; attention needs every earlier key, so ring attention passes "
+             "the key/value blocks around the ranks: in N steps each rank's queries meet every block, the next block's "
+             "transfer overlapped with the current one's compute, and the partial outputs merged exactly by online "
+             "softmax (each re-weighted by its log-sum-exp). With causal masking a contiguous split is unbalanced: cut "
+             "in 2N chunks on 4 ranks, contiguous chunks cost the ranks 3, 7, 11 and 15 query-key blocks; rank r holding "
+             "chunks r and 2N-1-r (zig-zag, torch's head-tail load balancing) costs 9 each, and since every ring step "
+             "waits for the slowest rank, that is 15 against 9 per step."),
+    Question("experts", "lesson 18; GShard, Switch Transformer", "How does expert parallelism move tokens, and what does "
+             "the capacity factor trade?",
+             "A router sends each token to its top-k of E experts. With the experts split over ep ranks, each rank "
+             "routes its own tokens, exchanges how many rows go to each rank (the receivers cannot know before routing), "
+             "then one all-to-all sends each row to its expert's rank, the experts run, and a reverse all-to-all brings "
+             "the rows home to be weighted by their gates: two all-to-alls per layer forward, two backward (the split "
+             "sizes swapped). Capacity fixes each expert's batch: ceil(capacity factor x k x tokens / E), 1,280 slots for "
+             "4,096 tokens, 8 experts, top-2 and a factor of 1.25 (1,024 when perfectly balanced); assignments past it "
+             "are dropped (the residual carries the token on). A higher factor drops less but pads more compute and "
+             "all-to-all bytes; a load-balancing loss (E x sum f_e P_e, 1 when uniform) keeps the router spread."),
+    Question("pipeline-bubbles", "lessons 13, 19; Narayanan et al. 2021, Qi et al. 2023", "How do interleaved and "
+             "zero-bubble schedules shrink the pipeline bubble, and what do they cost?",
+             "Counted against the ideal compute time, 1F1B idles (p-1)/m. Interleaving gives each rank v thinner "
+             "chunks, so each hop of the fill and drain costs 1/v of a stage: (p-1)/(v m), for v times the "
+             "point-to-point messages and a longer warm-up holding more activations. Zero bubble splits each backward "
+             "into the input gradient, which the previous stage waits for, and the weight gradient, which nobody "
+             "waits for, and fills idle slots with the latter: ZB-H1 reaches (p-1)/(3m) when forward, input and "
+             "weight gradient take equal time, at 1F1B's memory; ZB-V (two chunks per rank in a V) leaves no rank "
+             "idle between its first and last action once m >= 2p-1. On the kit's simulator with p = 4, m = 8: 1F1B "
+             "37.5%, interleaved v = 2 18.75%, ZB-H1 12.5%, ZB-V 0% inside each rank."),
+    Question("fsdp-knobs", "lesson 10b; torch fully_shard", "What do reshard_after_forward and HSDP trade in FSDP2?",
+             "reshard_after_forward=True frees each unit's gathered parameters after its forward and all-gathers them "
+             "again in backward (ZeRO-3); False keeps them from forward to backward, one all-gather fewer per unit, "
+             "holding every unit's whole parameters in between (torch's default, None, is True except for the root "
+             "module, which backward needs at once; an int reshards to a smaller group, e.g. a node). On 4 ranks the "
+             "4-layer, 64-wide model of lesson 10b holds 16,640 bytes of fp32 parameters between forward and backward "
+             "with True, 83,200 with False (its shard plus the 66,560 gathered). HSDP shards inside a group and "
+             "replicates across groups (a 2-D mesh, placements (Replicate(), Shard(0))): all-gathers and "
+             "reduce-scatters stay on a node's fast links and only an all-reduce of each gradient shard crosses nodes, "
+             "for state divided by the group, not the world: 7B in mixed precision holds 7.0 GB per GPU under FSDP on "
+             "16 GPUs, 14.0 GB under HSDP with groups of 8."),
+    Question("tp-in-node", "lesson 19; Narayanan et al. 2021, section 3", "Why keep tensor parallelism inside a node?",
+             "Tensor parallelism all-reduces a whole activation (batch x sequence x width) twice per transformer layer "
+             "in forward and twice in backward (Megatron-LM), on the critical path: the next matmul needs the result. "
+             "Pipeline parallelism sends one activation per micro-batch per stage boundary and data parallelism "
+             "reduces gradients once per step, mostly behind backward: those tolerate the slow link. So tensor "
+             "parallelism up to the GPUs of one node (NVLink), pipeline across nodes, data parallelism for the rest. "
+             "The kit's planner rediscovers it from bandwidths alone: seed 003's TP 8 x PP 4 x DP 4 on 16 nodes of 8 "
+             "takes 4.34 s per step with each tensor-parallel group inside a node and 6.29 s with it across nodes "
+             "(1.45x); give the cluster one link class and every placement takes the same time."),
 ]
 
 

@@ -597,6 +597,107 @@ def test_one_f_one_b_check(verdicts):
     assert "deadlocks" in v(check_one_f_one_b, backward_first).message
 
 
+# --------------------------------------------------------------------------- interleaved 1F1B (lesson 13)
+
+from ddpkit.exercises.interleaved import FIXED, check_interleaved_order  # noqa: E402
+
+interleaved_order = load("13b_interleaved_order.ipynb", "interleaved_order")
+
+
+def plain_1f1b(rank, p, v, m):  # 1F1B's warm-up, each micro-batch through the rank's chunks in turn
+    chunks = [rank + j * p for j in range(v)]
+    warm = min(p - 1 - rank, m)
+    order = [("F", c, i) for i in range(warm) for c in chunks]
+    for i in range(warm, m):
+        order += [("F", c, i) for c in chunks] + [("B", c, i - warm) for c in reversed(chunks)]
+    return order + [("B", c, i) for i in range(m - warm, m) for c in reversed(chunks)]
+
+
+def own_chunk_only(rank, p, v, m):  # 1F1B on chunk `rank`, as if v were 1
+    warm = min(p - 1 - rank, m)
+    order = [("F", rank, i) for i in range(warm)]
+    for i in range(warm, m):
+        order += [("F", rank, i), ("B", rank, i - warm)]
+    return order + [("B", rank, i) for i in range(m - warm, m)]
+
+
+def backwards_first_to_last(rank, p, v, m):  # the backwards visit the chunks in the forwards' order
+    order, seen, k = [], {}, 0
+    per_round = m // max(1, m // p)
+    for kind, chunk, micro in interleaved_order(rank, p, v, m):
+        if kind == "B":
+            chunk, k = ((k // per_round) % v) * p + rank, k + 1
+            seen[chunk] = seen.get(chunk, 0) + 1
+            micro = seen[chunk] - 1
+        order.append((kind, chunk, micro))
+    return order
+
+
+def micro_batch_first(rank, p, v, m):  # each micro-batch through every chunk of the rank before the next one
+    forwards = iter([(rank + j * p, i) for i in range(m) for j in range(v)])
+    return [("F", *next(forwards)) if kind == "F" else (kind, c, i) for kind, c, i in interleaved_order(rank, p, v, m)]
+
+
+def one_more_warmup_forward(rank, p, v, m):  # the same bubble, one more micro-batch's activations held
+    order = interleaved_order(rank, p, v, m)
+    first_backward = next(k for k, action in enumerate(order) if action[0] == "B")
+    if first_backward + 1 < len(order) and order[first_backward + 1][0] == "F":  # the next forward moves before it
+        order[first_backward], order[first_backward + 1] = order[first_backward + 1], order[first_backward]
+    return order
+
+
+def a_table_of_the_fixed_shapes(rank, p, v, m):  # right where the shapes can be read in the check, wrong elsewhere
+    return interleaved_order(rank, p, v, m) if (p, v, m) in FIXED else own_chunk_only(rank, p, v, m)
+
+
+def torchs_own(rank, p, v, m):  # the answer read off torch's class, the schedule the exercise asks for
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B
+
+    rounds = max(1, m // p)
+    state = SimpleNamespace(pp_group_size=p, n_local_stages=v, _n_microbatches=m, microbatches_per_round=m // rounds,
+                            number_of_rounds=rounds, num_stages=p * v)
+    ops = ScheduleInterleaved1F1B._calculate_single_rank_operations(state, rank)
+    return [(str(a.computation_type.value), a.stage_index, a.microbatch_index) for a in ops if a is not None]
+
+
+grade(check_interleaved_order, interleaved_order, plain_1f1b, own_chunk_only, backwards_first_to_last, micro_batch_first,
+      one_more_warmup_forward, a_table_of_the_fixed_shapes, torchs_own)
+
+
+def test_interleaved_order_check(verdicts):
+    v = verdicts
+    assert v(check_interleaved_order, interleaved_order).passed
+    assert "the ranks deadlock after rank 0's 4 forwards before its first backward" in v(check_interleaved_order, plain_1f1b).message
+    assert "rank 0 runs chunks [0], but it holds [0, 2]" in v(check_interleaved_order, own_chunk_only).message
+    assert "rank 0's first backward is on chunk 0, whose gradient needs that of chunk 2" in \
+        v(check_interleaved_order, backwards_first_to_last).message
+    assert "of the ideal compute time, not (p-1)/(v m)" in v(check_interleaved_order, micro_batch_first).message
+    assert "holds 3 micro-batches' activations at once, ScheduleInterleaved1F1B's order 2.5: same bubble, more memory" in \
+        v(check_interleaved_order, one_more_warmup_forward).message  # the bubble alone would pass it: torch's order does not
+    table = v(check_interleaved_order, a_table_of_the_fixed_shapes).message
+    assert "but it holds" in table and not any(f"p={p}, v={w}, m={m} " in table for p, w, m in FIXED), table
+    assert "uses torch's ScheduleInterleaved1F1B" in v(check_interleaved_order, torchs_own).message
+    wrong = (plain_1f1b, own_chunk_only, backwards_first_to_last, micro_batch_first, one_more_warmup_forward,
+             a_table_of_the_fixed_shapes)
+    assert all(len(v(check_interleaved_order, fn).message) < 200 for fn in wrong)
+
+
+def test_the_drawn_shapes_are_torchs_and_the_paper_bubble_holds_on_each():
+    """The shapes the check draws are ones torch's schedule accepts, and on each the order torch gives meets
+    (p-1)/(v m) exactly on the simulator, so the check never asks for the impossible."""
+    import random
+
+    from ddpkit.exercises.interleaved import shapes
+    from ddpkit.parallel import pipeline_schedules as schedules
+
+    for seed in range(5):
+        for p, v, m in shapes(random.Random(seed))[len(FIXED):]:
+            timeline = schedules.simulate(schedules.torch_order("interleaved", p, m, v))
+            assert abs(schedules.bubble_over_ideal(timeline) - schedules.megatron_bubble(p, m, v)) < 1e-9, (p, v, m)
+
+
 def decides_alone(noticed):
     return noticed
 

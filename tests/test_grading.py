@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import csv
 import json
+import os
+import re
 import time
 from pathlib import Path
 
@@ -180,6 +182,10 @@ KIT_ANSWERS = [  # the kit's own answer, or PyTorch's, reached under the contrac
     ("13_one_f_one_b", "from ddpkit.parallel.pipeline import one_f_one_b as _schedule\n\n\n"
                        "def one_f_one_b(p, m):\n    return [[(a.kind, a.micro) for a in stage] for stage in _schedule(p, m)]\n",
      "uses the kit's own schedule"),
+    ("13b_interleaved_order", "from ddpkit.parallel.pipeline_schedules import interleaved\n\n\n"
+                              "def interleaved_order(rank, p, v, m):\n"
+                              "    return [(a.kind, a.stage, a.micro) for a in interleaved(p, m, v)[rank]]\n",
+     "uses the kit's own schedule"),
     ("12_f_and_g", "from ddpkit.parallel.tensor import CopyToTP, ReduceFromTP\n\n\n"
                    "def copy_to_parallel(x):\n    return CopyToTP.apply(x, None)\n\n\n"
                    "def reduce_from_parallel(x):\n    return ReduceFromTP.apply(x, None)\n", "uses the kit's own"),
@@ -237,3 +243,114 @@ def test_the_collective_timeout_is_sized_from_the_measured_baseline():
         assert 0 < seconds < 120 and timing.baseline() == seconds
     finally:
         timing.set_baseline(saved)
+
+
+# ------------------------------------------------------------------ otter run: the autograder zip, no Docker
+
+OTTER_EXERCISE = "07_global_mean_loss"
+MEAN_LOSS = '''import torch
+import torch.distributed as dist
+
+
+def global_mean_loss(loss_sum, count):
+    totals = torch.tensor([float(loss_sum), float(count)], dtype=torch.float64)
+    dist.all_reduce(totals)
+    return float(totals[0] / totals[1])
+'''
+SAYS_WHERE_IT_RUNS = '''import os
+import torch.distributed as dist
+
+
+def global_mean_loss(loss_sum, count):
+    if dist.get_rank() == 1:
+        raise RuntimeError(f"I am rank {dist.get_rank()} of {dist.get_world_size()} in process {os.getpid()}")
+    return loss_sum / count
+'''
+STUB_07 = ('import torch.distributed as dist\n\n\ndef global_mean_loss(loss_sum, count):\n'
+           '    raise NotImplementedError("write global_mean_loss between the markers")\n')
+CHEATS = (f"SUBMISSION = {{'exercise': '{OTTER_EXERCISE}', 'code': {MEAN_LOSS!r}}}",  # what the grader once read
+          MEAN_LOSS,  # the right function, defined outside the markers
+          "def verdict(*args):\n    return None\n\n\nprint('PASSED: every rank reports the mean over all samples')")
+
+
+def _student_07(code: str, extra_cells: tuple[str, ...] = (), check_cell: bool = True) -> nbformat.NotebookNode:
+    """The student notebook with ``code`` between the markers; without its check cell (a learner may delete
+    it: nothing it shows is graded), the run costs one sandbox instead of two."""
+    nb = nbformat.read(EXERCISES / f"{OTTER_EXERCISE}.ipynb", as_version=4)
+    if not check_cell:
+        nb.cells = [c for c in nb.cells if "check_global_mean_loss(" not in c.source]
+    for cell in nb.cells:
+        if cell.cell_type == "code" and "### begin" in cell.source:
+            cell.source = f"### begin\n{code}\n### end"
+    nb.cells += [nbformat.v4.new_code_cell(src) for src in extra_cells]
+    return nb
+
+
+@pytest.fixture(scope="module")
+def otter_run_results(tmp_path_factory):
+    """One autograder zip made by ``otter assign`` as the kit makes it, then three plain ``otter run``s at
+    once (otter 7's local runner: no Docker): the solution, a wrong answer, a cheat. Their results.json."""
+    import subprocess
+    import sys
+
+    from ddpkit.exercises import autograde
+
+    root = tmp_path_factory.mktemp("otter_run")
+    (zip_path,) = (autograde.build(OTTER_EXERCISE) / "autograder").glob("*.zip")
+    notebooks = {"solution": _student_07(MEAN_LOSS, check_cell=False), "wrong": _student_07(SAYS_WHERE_IT_RUNS, check_cell=False),
+                 "cheat": _student_07(STUB_07, CHEATS, check_cell=False)}
+    procs = {}
+    for name, nb in notebooks.items():
+        (root / name).mkdir()
+        nbformat.write(nb, root / name / f"{OTTER_EXERCISE}.ipynb")
+        procs[name] = subprocess.Popen(
+            [sys.executable, "-m", "otter", "run", "--no-logo", "-a", str(zip_path), "-o", str(root / name),
+             str(root / name / f"{OTTER_EXERCISE}.ipynb")], cwd=root / name, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True, env={**os.environ, "DDPKIT_PROGRESS": "off"})
+    results = {}
+    for name, proc in procs.items():
+        out, _ = proc.communicate(timeout=600)
+        assert proc.returncode == 0, out[-3000:]
+        results[name] = json.loads((root / name / "results.json").read_text())
+    return results
+
+
+def _hidden(results: dict) -> dict:
+    (test,) = [t for t in results["tests"] if t.get("visibility") == "hidden"]
+    return test
+
+
+def test_otter_run_gives_the_solution_every_point(otter_run_results):
+    hidden = _hidden(otter_run_results["solution"])
+    assert hidden["name"] == "global_mean_loss" and hidden["score"] == hidden["max_score"] == 10, hidden
+
+
+def test_otter_run_grades_a_wrong_answer_by_running_it_on_real_ranks(otter_run_results):
+    hidden = _hidden(otter_run_results["wrong"])
+    assert hidden["score"] == 0 and hidden["max_score"] == 10, hidden
+    # the learner's own message, raised by rank 1 of a real 2-rank process group, in a process of its own
+    said = re.search(r"rank 1 raised RuntimeError: I am rank 1 of 2 in process (\d+)", hidden["output"])
+    assert said and int(said.group(1)) != os.getpid(), hidden["output"]
+
+
+def test_otter_run_grades_the_marked_code_not_what_the_notebooks_cells_define(otter_run_results):
+    hidden = _hidden(otter_run_results["cheat"])
+    assert hidden["score"] == 0 and "not implemented yet: write global_mean_loss" in hidden["output"], hidden
+
+
+def test_student_notebooks_carry_the_assignment_name_otter_run_requires():
+    """Without it ``otter run`` stops at "Received submission for assignment 'None'" and grades nothing."""
+    from ddpkit.exercises import bundle
+
+    nb = bundle.student_notebook(OTTER_EXERCISE)
+    assert nb.metadata["otter"] == {"assignment_name": OTTER_EXERCISE}
+    assert nbformat.read(EXERCISES / f"{OTTER_EXERCISE}.ipynb", as_version=4).metadata["otter"] == nb.metadata["otter"]
+
+
+def test_the_code_ddpkit_check_grades_never_comes_from_the_tests_environment(tmp_path, monkeypatch):
+    from ddpkit.exercises import autograde
+
+    nbformat.write(_student_07(STUB_07), tmp_path / f"{OTTER_EXERCISE}.ipynb")
+    monkeypatch.chdir(tmp_path)
+    env = {"SUBMISSION": {"exercise": OTTER_EXERCISE, "code": MEAN_LOSS}}  # a name a notebook cell can set
+    assert "raise NotImplementedError" in autograde.submission_code(env, OTTER_EXERCISE)

@@ -6,9 +6,13 @@ solution, the stub (otter's prompt) and one hidden test per check, with its poin
 makes the student notebook and the autograder from it (:func:`build`). A hidden test is one line,
 ``verdict(env, "09_ring_all_reduce", "ring_all_reduce")``: it takes the learner's code, never the
 objects a notebook defined, runs every check of the exercise once in a sandbox, and fails with the
-check's sentence. Under ``ddpkit check`` the environment holds only the code (as text) under
-``SUBMISSION``, so no cell of the learner ever runs in the grading process; under a plain ``otter run``
-the notebook in the working folder is read for it.
+check's sentence. Under ``ddpkit check`` (:func:`grade`) the code comes from the grader itself (kept per
+thread, out of the tests' environment), so no cell of the learner ever runs in the grading process.
+Under a plain ``otter run`` the notebook in the working folder is read for it: otter executes every
+cell of the submission first, in the kernel that then runs the hidden tests, so a variable or a
+function a cell defines is never what gets graded, only the marked code of the file. That kernel is
+still the learner's: a notebook that rewrites the grader's own modules there can change what otter
+records, which is why ``ddpkit check`` (that never runs a cell) is the grader to trust.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ EXERCISES_DIR = Path(__file__).resolve().parents[2] / "exercises"
 _results: dict[tuple[str, str], dict[str, dict]] = {}
 _lock = threading.Lock()
 TIME_SCALE = {"value": 1.0}
+_graded = threading.local()  # the code grade() is grading, on this thread: never read from the tests' env
 
 
 def verdict(env: dict, exercise_id: str, check: str) -> None:
@@ -37,9 +42,11 @@ def verdict(env: dict, exercise_id: str, check: str) -> None:
 
 
 def submission_code(env: dict, exercise_id: str) -> str:
-    submission = env.get("SUBMISSION") if isinstance(env, dict) else None
-    if isinstance(submission, dict) and isinstance(submission.get("code"), str):
-        return submission["code"]
+    """The code to grade: what :func:`grade` was given on this thread, else the marked code of the notebook
+    in the working folder (``otter run``). Never a name from ``env``, which a submission's cells define."""
+    code = getattr(_graded, "code", None)
+    if code is not None:
+        return code
     import nbformat
 
     from ddpkit.exercises.sources import learner_code
@@ -117,9 +124,12 @@ def grade(exercise_id: str, code: str, built: Path) -> dict:
     from otter.test_files import GradingResults
 
     files = test_files(built)
-    env = {"SUBMISSION": {"exercise": exercise_id, "code": code}}
-    for test_file in files:
-        test_file.run(env)
+    _graded.code = code
+    try:
+        for test_file in files:
+            test_file.run({})
+    finally:
+        _graded.code = None
     results = GradingResults(files)
     config = json.loads((built / "autograder" / "otter_config.json").read_text())
     ours = results_for(exercise_id, code)

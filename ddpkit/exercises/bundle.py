@@ -36,7 +36,8 @@ def student_notebook(exercise_id: str, cache: str | None = None):
             cell.outputs, cell.execution_count = [], None
         cell.pop("id", None)
     nb.metadata = {"kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"},
-                   "language_info": {"name": "python"}, "ddpkit": {"exercise": exercise_id}}
+                   "language_info": {"name": "python"}, "ddpkit": {"exercise": exercise_id},
+                   "otter": {"assignment_name": exercise_id}}  # otter run refuses a notebook without it
     nb.nbformat, nb.nbformat_minor = 4, 4
     return nb
 
@@ -59,8 +60,8 @@ def build_students(target: str | Path | None = None, check: bool = False, cache:
     return differ
 
 
-def _cells(nb) -> list[tuple[str, str]]:
-    return [(c.cell_type, c.source) for c in nb.cells]
+def _cells(nb) -> list:
+    return [nb.metadata.get("otter"), *((c.cell_type, c.source) for c in nb.cells)]
 
 
 def export(folder: str | Path, cache: str | None = None) -> Path:

@@ -108,6 +108,16 @@ EXERCISES = [
              {"ddpkit.parallel.pipeline:one_f_one_b": KIT.format(what="schedule", ref="ddpkit.parallel.pipeline.one_f_one_b"),
               "torch.distributed.pipelining.schedules:Schedule1F1B": "uses torch's Schedule1F1B, the schedule this "
                                                                      "exercise asks for: order the actions yourself"}),
+    Exercise("13b_interleaved_order",
+             {"interleaved_order": ("ddpkit.exercises.interleaved:check_interleaved_order", ("interleaved_order",))},
+             {**{f"ddpkit.parallel.pipeline_schedules:{name}": KIT.format(what="schedule", ref="ddpkit.parallel.pipeline_schedules")
+                 for name in ("interleaved", "zero_bubble", "generate", "torch_order")},
+              "torch.distributed.pipelining.schedules:ScheduleInterleaved1F1B":
+                  "uses torch's ScheduleInterleaved1F1B, the schedule this exercise asks for: order the actions yourself",
+              "torch.distributed.pipelining.schedules:_get_1f1b_rank_ops":
+                  "uses torch's own 1F1B order builder (_get_1f1b_rank_ops): order the actions yourself",
+              "torch.distributed.pipelining.schedules:_get_warmup_ops":
+                  "uses torch's own warm-up count (_get_warmup_ops): work out the warm-up yourself"}),
     Exercise("14_should_stop", {"should_stop": ("ddpkit.exercises.agreement:check_should_stop", ("should_stop",))}),
     Exercise("15_same_everywhere",
              {"same_everywhere": ("ddpkit.exercises.invariants:check_same_everywhere", ("same_everywhere",))},

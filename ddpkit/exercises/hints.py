@@ -53,6 +53,14 @@ HINTS = {
         'Then alternate: the next forward, then the oldest backward still to do.',
         'End with the backwards left over.',
     ],
+    'interleaved_order': [
+        'Rank r holds chunks r, r + p, ...: its forwards take a round of micro-batches through its first chunk, '
+        'then the same round through its next chunk (torch: rounds of m // max(1, m // p)).',
+        'Before its first backward, a rank runs one round through each chunk but its last, plus 2 (p - 1 - r) '
+        'forwards; then one forward, one backward; then the backwards left.',
+        "Backwards take the rank's chunks last to first, a round per chunk: micro-batch 0's gradient starts at the "
+        "model's last chunk.",
+    ],
     'should_stop': [
         "Every rank must reach the same answer without knowing the others' flags: that needs a collective.",
         'Put the flag in a tensor.',
