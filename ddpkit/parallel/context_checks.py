@@ -121,9 +121,10 @@ def measure_overlap(ctx, batch: int = 4, heads: int = 4, seq_len: int = 1024, he
     with the least waiting on the bytes: seconds computing, seconds blocked waiting on messages (``wait_s``),
     split into waiting for a peer that had not posted yet (``late_peer_s``: on a busy machine mostly a
     descheduled peer, what varies most from run to run) and waiting once both peers had posted
-    (``on_bytes_s``: the transfer that was not hidden), seconds spent posting (``post_s``: gloo writes a
-    message into the socket inside the posting call when its receive is already posted, so that part is
-    never hidden on CPU), and the per-hop timeline.
+    (``on_bytes_s``: the transfer that was not hidden), seconds spent posting (``post_s``, in either mode:
+    gloo starts writing a message into the socket inside the posting call when its receive is already
+    posted, after taking the connection's lock, which its own thread holds while reading an arriving
+    message), and the per-hop timeline.
 
     The split sets the ranks' records side by side on ``time.monotonic``, one clock for every process of
     one machine: it holds for ranks sharing a machine, as here."""
