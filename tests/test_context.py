@@ -98,6 +98,8 @@ def test_posting_the_next_hop_first_hides_the_communication():
     for rank in ranks:
         for row in rank.values():  # every second blocked is either a late peer or the bytes
             assert row["late_peer_s"] + row["on_bytes_s"] == pytest.approx(row["wait_s"], abs=1e-3), row
+    for mode in ("overlap", "serial"):  # every rank reported the same (median) run
+        assert ranks[0][mode]["all_ranks_on_bytes_s"] == pytest.approx(sum(r[mode]["on_bytes_s"] for r in ranks))
 
 
 def test_waiting_for_a_late_peer_is_told_from_waiting_for_the_bytes():
