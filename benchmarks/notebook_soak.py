@@ -103,7 +103,7 @@ def main(runs: int = 10, notebooks: list[str] | None = None, busy: int | None = 
         for h in hogs:
             h.join()
     summary = {name: {"passed": sum(r["ok"] for r in rs), "runs": len(rs),
-                      "max_wall_s": max(r["wall_s"] for r in rs),
+                      "min_wall_s": min(r["wall_s"] for r in rs), "max_wall_s": max(r["wall_s"] for r in rs),
                       "longest_silence_s": max(r["longest_silence_s"] for r in rs),
                       "load": f"{len(hogs)} busy processes, load average {min(r['load_1min'] for r in rs)}-{max(r['load_1min'] for r in rs)}"}
                for name, rs in results.items()}

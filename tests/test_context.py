@@ -91,10 +91,26 @@ def test_zigzag_balances_the_causal_work_and_contiguous_does_not():
 
 def test_posting_the_next_hop_first_hides_the_communication():
     ranks = launch(context_checks.measure_overlap, world_size=2,
-                   kwargs=dict(batch=8, heads=8, seq_len=256, head_dim=64, repeats=5), output="none")
-    hidden, exposed = sum(r["overlap"]["wait_s"] for r in ranks), sum(r["serial"]["wait_s"] for r in ranks)
+                   kwargs=dict(batch=4, heads=8, seq_len=256, head_dim=64, repeats=5), output="none")
+    hidden, exposed = sum(r["overlap"]["on_bytes_s"] for r in ranks), sum(r["serial"]["on_bytes_s"] for r in ranks)
     assert hidden < exposed, (hidden, exposed)  # the same bytes; posted after the block, all of them are waited for
     assert ranks[0]["overlap"]["bytes_sent"] == ranks[0]["serial"]["bytes_sent"] > 0
+    for rank in ranks:
+        for row in rank.values():  # every second blocked is either a late peer or the bytes
+            assert row["late_peer_s"] + row["on_bytes_s"] == pytest.approx(row["wait_s"], abs=1e-3), row
+    for mode in ("overlap", "serial"):  # every rank reported the same (median) run
+        assert ranks[0][mode]["all_ranks_on_bytes_s"] == pytest.approx(sum(r[mode]["on_bytes_s"] for r in ranks))
+
+
+def test_waiting_for_a_late_peer_is_told_from_waiting_for_the_bytes():
+    # this rank posts at 0-1 s and waits 2-10 s; the bytes can only move once both peers have posted
+    mine = [[0.0, 1.0, 2.0, 10.0]]
+    split = context_checks._blocked_on_bytes(mine, [[7.0, 7.5, 8.0, 9.0]], [[0.5, 0.6, 3.0, 9.0]])
+    assert split == pytest.approx({"post_s": 1.0, "late_peer_s": 5.0, "on_bytes_s": 3.0})  # sender posted at 7 s
+    punctual = context_checks._blocked_on_bytes(mine, [[0.5, 0.6, 3.0, 9.0]], [[0.5, 0.6, 3.0, 9.0]])
+    assert punctual == pytest.approx({"post_s": 1.0, "late_peer_s": 0.0, "on_bytes_s": 8.0})  # both posted before the wait
+    late = context_checks._blocked_on_bytes(mine, [[12.0, 12.5, 13.0, 14.0]], [[0.5, 0.6, 3.0, 9.0]])
+    assert late == pytest.approx({"post_s": 1.0, "late_peer_s": 8.0, "on_bytes_s": 0.0})  # (clocks slightly off: capped)
 
 
 def test_activation_bytes_per_rank_fall_as_one_over_n():

@@ -150,3 +150,15 @@ def test_recomputation_costs_a_third_more_compute_and_deeper_pipelines_idle_more
         t = step_time(model, cluster, Layout(dp=4, tp=8, pp=pp, micro_batch=1, micro_batches=8))
         shares.append(t["bubble"] / t["total"])
     assert shares == sorted(shares) and shares[0] < shares[-1]
+
+
+def test_links_are_fitted_per_hop_from_benchmark_rows():
+    from ddpkit.parallel.comm import BUS_FACTOR
+
+    world, alpha, bandwidth = 4, 1e-3, 2e8
+    rows = [{"op": op, "bytes": b, "seconds": (2 if op == "all_reduce" else 1) * (world - 1) * alpha + BUS_FACTOR[op](world) * b / bandwidth}
+            for op in calibrate.FIT_OPS for b in (2**12, 2**16, 2**20)]
+    for op, fit in calibrate.links_from(rows, world).items():
+        assert fit["alpha_s"] == pytest.approx(alpha) and fit["bandwidth"] == pytest.approx(bandwidth), op
+    hops_ignored = calibrate.links_from(rows, 2)  # the wrong world counts the wrong hops: alpha is off
+    assert hops_ignored["all_reduce"]["alpha_s"] != pytest.approx(alpha)

@@ -10,7 +10,7 @@ machine with CPU ranks the kit's trainer runs DDP, ZeRO-1 and FSDP2 over 4 ranks
    computing: a fixed cost per layer plus FLOPs at a rate), and the optimizer step (AdamW);
 2. runs every layout's real ``Trainer`` in one launch, round-robin (a step of each, again and again,
    so that a burst of load from other processes lands on all of them), keeps the median, and times the
-   compute probe between rounds, under the same load;
+   compute probe and the collectives between rounds, under the same load;
 3. builds a :class:`~ddpkit.parallel.step_time.Cluster` of one node from the measurements, whose ranks
    share the machine's cores;
 4. compares the predicted order with the measured one by Spearman's rank correlation.
@@ -40,13 +40,18 @@ def fit_links(ctx, sizes: list[int], iters: int = 5) -> dict:
     median of ``iters`` calls per size (a function for ``ddpkit.launch``). The median, not the fastest
     call: the trainer's collectives meet the machine's typical delays, and the model predicts typical
     steps. A ring collective of M bytes over N ranks takes hops x alpha + share x M / bandwidth, so
-    t / hops = alpha + (share x M / hops) / bandwidth."""
-    rows = comm.benchmark(ctx, sizes, FIT_OPS, iters)
-    n, links = ctx.world_size, {}
+    t / hops = alpha + (share x M / hops) / bandwidth. :func:`time_layouts` does the same between the
+    layouts' steps, round by round, so that the links are measured under the load the steps meet."""
+    return links_from(comm.benchmark(ctx, sizes, FIT_OPS, iters), ctx.world_size)
+
+
+def links_from(rows: list[dict], world: int) -> dict:
+    """The per-hop alpha-beta fit of :func:`fit_links`, from ``comm.benchmark``'s rows (op, bytes, seconds)."""
+    links = {}
     for op in FIT_OPS:
-        hops = 2 * (n - 1) if op == "all_reduce" else n - 1
+        hops = 2 * (world - 1) if op == "all_reduce" else world - 1
         mine = [r for r in rows if r["op"] == op]
-        fit = comm.fit_alpha_beta([comm.BUS_FACTOR[op](n) * r["bytes"] / hops for r in mine],
+        fit = comm.fit_alpha_beta([comm.BUS_FACTOR[op](world) * r["bytes"] / hops for r in mine],
                                   [r["seconds"] / hops for r in mine])
         links[op] = {"alpha_s": fit.alpha_s, "bandwidth": fit.bandwidth}
     return links
@@ -120,12 +125,14 @@ def trainer_layout(cfg) -> Layout:
                   micro_batch=cfg.micro_batch_size, micro_batches=cfg.grad_accum, order=("tp", "dp", "pp", "cp"))
 
 
-def time_layouts(ctx, configs: dict, rounds: int = 3, steps: int = 1, probe=(2, 8)) -> dict:
+def time_layouts(ctx, configs: dict, rounds: int = 3, steps: int = 1, probe=(2, 8), link_sizes=()) -> dict:
     """Step times of the real trainer under each config (a function for ``ddpkit.launch``): every config
     gets its own ``Trainer`` (one warm-up step), then ``rounds`` times each runs ``steps`` steps in turn,
     and every rank times a forward + backward of the first config's GPT at each ``probe`` micro-batch size
-    (the compute calibration, under the same load). A time is the slowest rank's. Returns
-    ``{"steps": {name: [seconds...]}, "probe": [{"flops", "seconds": [per round]}]}`` on every rank."""
+    (the compute calibration) and one call of each collective at each of ``link_sizes`` (the links),
+    under the same load. A time is the slowest rank's. Returns ``{"steps": {name: [seconds...]},
+    "probe": [{"flops", "seconds": [per round]}], "links": fitted as by fit_links, to the median over the
+    rounds (None without link_sizes)}`` on every rank."""
     from ddpkit.train import Trainer
 
     trainers = {name: Trainer(ctx, cfg) for name, cfg in configs.items()}
@@ -136,10 +143,13 @@ def time_layouts(ctx, configs: dict, rounds: int = 3, steps: int = 1, probe=(2, 
             trainer.run_step()
         times: dict[str, list[float]] = {name: [] for name in trainers}
         probed: list[list[float]] = [[] for _ in runs]
+        link_rounds: list[list[dict]] = []
         for _ in range(rounds):
             for i, (_, step) in enumerate(runs):
                 dist.barrier(group=ctx.world_group)
                 probed[i].append(_seconds(step, 1))
+            if link_sizes:  # every rank gets the same rows (each call the slowest rank's)
+                link_rounds.append(comm.benchmark(ctx, list(link_sizes), FIT_OPS, iters=1))
             for name, trainer in trainers.items():
                 dist.barrier(group=ctx.world_group)
                 times[name] += [trainer.run_step().step_time_s for _ in range(steps)]
@@ -149,8 +159,14 @@ def time_layouts(ctx, configs: dict, rounds: int = 3, steps: int = 1, probe=(2, 
     table = torch.tensor([times[name] for name in trainers] + probed, dtype=torch.float64)
     dist.all_reduce(table, op=dist.ReduceOp.MAX, group=ctx.world_group)
     rows = table.tolist()
+    links = None
+    if link_rounds:
+        typical = [{**row, "seconds": statistics.median(r[i]["seconds"] for r in link_rounds)}
+                   for i, row in enumerate(link_rounds[0])]
+        links = links_from(typical, ctx.world_size)
     return {"steps": {name: rows[i] for i, name in enumerate(trainers)},
-            "probe": [{"flops": flops, "seconds": rows[len(trainers) + i]} for i, (flops, _) in enumerate(runs)]}
+            "probe": [{"flops": flops, "seconds": rows[len(trainers) + i]} for i, (flops, _) in enumerate(runs)],
+            "links": links}
 
 
 def medians(times: dict[str, list[float]]) -> dict[str, float]:

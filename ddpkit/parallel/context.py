@@ -135,6 +135,11 @@ class RingStats:
     bytes_sent: int = 0
     hops: list = field(default_factory=list)
     """Per ring step: (start, compute end, wait end) in seconds from the pass's start."""
+    exchanges: list = field(default_factory=list)
+    """Per exchange, in the order posted (the same on every rank): [posting started, posting returned, wait
+    started, wait ended], read from ``time.monotonic``, which is system-wide (CLOCK_MONOTONIC on Linux):
+    records of ranks on one machine can be set side by side, to tell waiting for a late peer from waiting
+    for the bytes (``context_checks.measure_overlap``)."""
 
 
 class _Exchange:
@@ -144,16 +149,20 @@ class _Exchange:
     def __init__(self, tensor: torch.Tensor, group, stats: RingStats) -> None:
         n, r = dist.get_world_size(group), dist.get_rank(group)
         self.received = torch.empty_like(tensor)
+        self.times = [time.monotonic(), None, None, None]
+        stats.exchanges.append(self.times)
         ops = [dist.P2POp(dist.isend, tensor, dist.get_global_rank(group, (r + 1) % n), group),
                dist.P2POp(dist.irecv, self.received, dist.get_global_rank(group, (r - 1) % n), group)]
         self.requests = dist.batch_isend_irecv(ops)
+        self.times[1] = time.monotonic()
         stats.bytes_sent += tensor.numel() * tensor.element_size()
 
     def wait(self, stats: RingStats) -> torch.Tensor:
-        start = time.perf_counter()
+        start, self.times[2] = time.perf_counter(), time.monotonic()
         for request in self.requests:
             request.wait()
         stats.wait_s += time.perf_counter() - start
+        self.times[3] = time.monotonic()
         return self.received
 
 
