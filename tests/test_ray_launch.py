@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import glob
+import importlib.util
 import json
 import os
 import subprocess
@@ -86,6 +87,25 @@ def test_placement_rule():
     ray_launch.check_placement(2, 2)
     with pytest.raises(ValueError, match="use --world-size 2 or fewer"):
         ray_launch.check_placement(3, 2.0)
+
+
+IMPORTS_GRAMMAR = "import sys, jsonschema; print('rfc3987_syntax' in sys.modules)"
+
+
+def test_rays_processes_skip_the_iri_grammar():
+    """Ray's processes import jsonschema; under the launcher's environment that import leaves rfc3987_syntax out."""
+    env = {**cli_env(), **ray_launch.session_env(cli_env())}
+    proc = subprocess.run([sys.executable, "-c", IMPORTS_GRAMMAR], capture_output=True, text=True, timeout=60, env=env)
+    assert proc.returncode == 0 and proc.stdout.split() == ["False"], proc.stderr
+    assert env["PYTHONPATH"].split(os.pathsep)[0] == ray_launch.PYTHONPATH_DIR
+
+
+def test_the_grammar_check_can_fail():
+    # negative control: the same import without the launcher's PYTHONPATH builds the grammar
+    if importlib.util.find_spec("rfc3987_syntax") is None:
+        pytest.skip("rfc3987_syntax is not installed here: nothing to leave out")
+    proc = subprocess.run([sys.executable, "-c", IMPORTS_GRAMMAR], capture_output=True, text=True, timeout=60, env=cli_env())
+    assert proc.returncode == 0 and proc.stdout.split() == ["True"], proc.stderr
 
 
 def test_without_ray_the_extra_is_named_in_one_line():

@@ -27,6 +27,16 @@ Three Ray habits this module handles, each with its reason:
   agents). It runs with usage statistics off (``RAY_USAGE_STATS_ENABLED=0``) and in a temporary folder
   of its own; ``ray.shutdown()``, then any process still naming that folder (stopped by its id), then the
   folder's removal are in ``finally``.
+
+One cost this module cuts: Ray's raylet gives its dashboard agent, a Python process, a fixed 15 s to
+write its ports and aborts the head when it misses them (``WaitForDashboardAgentPorts`` in
+``src/ray/raylet/node_manager.cc``, Ray 2.60). No setting moves that limit: ``ray.init`` cannot set the
+agent's ports, and even ``ray start --head`` with every agent port given still waits for the file of the
+agent's HTTP port, which the raylet is not told. Where Jupyter is installed, most of the agent's start-up
+is ``jsonschema`` building an IRI grammar it never uses: Ray's processes get
+:mod:`ddpkit.engines.ray_pythonpath` first on ``PYTHONPATH``, which leaves it out (``import ray`` went from
+about 2.8 s to 0.7 s of CPU here, in each of Ray's Python processes). That makes a head start on two cores
+next to two busy loops; with more load than that on the same two cores, it can still miss the 15 s.
 """
 
 from __future__ import annotations
@@ -48,9 +58,18 @@ from ddpkit.errors import UserError
 
 SUMMARY_FILE = "summary.json"
 TEMP_PREFIX = "ddpkit-ray-"  # every local Ray session's folder (and its processes' command lines) carry it
-RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0"}
+RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0"}  # no usage report at start-up, no prompt, no network call
+PYTHONPATH_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ray_pythonpath")
 START_ATTEMPTS = 2  # a local head that fails to start is started once more (see start_ray)
-STRAGGLER_GRACE_S = 10.0  # after ray.shutdown(), how long this session's processes get to exit on their own  # no usage report at start-up, no prompt, no network call
+STRAGGLER_GRACE_S = 10.0  # after ray.shutdown(), how long this session's processes get to exit on their own
+
+
+def session_env(environ: dict | None = None) -> dict:
+    """The variables the launcher sets while its Ray runs (Ray's processes inherit them): usage statistics
+    off, and :data:`PYTHONPATH_DIR` first on ``PYTHONPATH`` (see the module's docstring)."""
+    environ = os.environ if environ is None else environ
+    path = os.pathsep.join(p for p in (PYTHONPATH_DIR, environ.get("PYTHONPATH", "")) if p)
+    return {**RAY_ENV, "PYTHONPATH": path}
 
 
 def visible_cpus() -> int:
@@ -94,8 +113,9 @@ def launch(cfg: TrainConfig) -> dict:
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    saved = {key: os.environ.get(key) for key in RAY_ENV}
-    os.environ.update(RAY_ENV)
+    env = session_env()
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
     temp_dir = tempfile.mkdtemp(prefix=TEMP_PREFIX)
     try:
         start_ray(ray, temp_dir)
