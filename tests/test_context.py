@@ -91,7 +91,7 @@ def test_zigzag_balances_the_causal_work_and_contiguous_does_not():
 
 def test_posting_the_next_hop_first_hides_the_communication():
     ranks = launch(context_checks.measure_overlap, world_size=2,
-                   kwargs=dict(batch=4, heads=8, seq_len=256, head_dim=64, repeats=5), output="none")
+                   kwargs=dict(batch=4, heads=8, seq_len=256, head_dim=64, repeats=11), output="none")
     hidden, exposed = sum(r["overlap"]["on_bytes_s"] for r in ranks), sum(r["serial"]["on_bytes_s"] for r in ranks)
     assert hidden < exposed, (hidden, exposed)  # the same bytes; posted after the block, all of them are waited for
     assert ranks[0]["overlap"]["bytes_sent"] == ranks[0]["serial"]["bytes_sent"] > 0
