@@ -78,13 +78,3 @@ def write_fixed(folder: str, out: str) -> str:
     for rank, dump in raw.items():
         write_atomic(os.path.join(out, f"{DUMP_PREFIX}{rank}"), pickle.dumps(gloo_pg_config(dump, sorted(raw))))
     return out
-
-
-def write_fixed(folder: str, out: str) -> str:
-    """Copy the dumps in ``folder`` to ``out`` with :func:`gloo_pg_config` applied, so that torch's own
-    command, ``torchfrtrace out``, can analyze them. Returns ``out``."""
-    raw = read_dumps(folder)
-    os.makedirs(out, exist_ok=True)
-    for rank, dump in raw.items():
-        write_atomic(os.path.join(out, f"{DUMP_PREFIX}{rank}"), pickle.dumps(gloo_pg_config(dump, sorted(raw))))
-    return out
