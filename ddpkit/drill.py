@@ -176,8 +176,8 @@ QUESTIONS = [
              "reduces gradients once per step, mostly behind backward: those tolerate the slow link. So tensor "
              "parallelism up to the GPUs of one node (NVLink), pipeline across nodes, data parallelism for the rest. "
              "The kit's planner rediscovers it from bandwidths alone: seed 003's TP 8 x PP 4 x DP 4 on 16 nodes of 8 "
-             "takes 4.34 s per step with each tensor-parallel group inside a node and 6.29 s with it across nodes "
-             "(1.45x); give the cluster one link class and every placement takes the same time."),
+             "takes 4.51 s per step with each tensor-parallel group inside a node and 6.29 s with it across nodes "
+             "(1.40x); give the cluster one link class and every placement takes the same time."),
 ]
 
 

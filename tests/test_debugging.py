@@ -1,11 +1,15 @@
 """Debugging lessons on real gloo ranks: each finding, and the same check failing without its mechanism."""
 
+import json
 import os
 import pickle
+import subprocess
+import sys
 
 import pytest
 
 from ddpkit.debug import flight, mismatch
+from tests.conftest import REPO, cli_env
 
 needs_fr = pytest.mark.skipif(not flight.available(), reason="this torch cannot dump a gloo Flight Recorder")
 
@@ -69,12 +73,35 @@ def test_flight_recorder_finds_nothing_when_ranks_agree(tmp_path):
     assert found.ok and found.culprits == [] and len(set(found.issued.values())) == 1
 
 
+RECORDING_OFF = """
+import json, sys
+from ddpkit.debug import flight, mismatch
+if sys.argv[2] == "touched":
+    flight.dump(sys.argv[1] + "-parent", 0)  # the launching process creates its own recorder first
+with flight.recording(0):
+    run = mismatch.outcome(mismatch.mismatched_collective, "none", False, 1.0, 1, sys.argv[1], timeout=1.0)
+print(json.dumps([run["raised"], [len(d["entries"]) for d in flight.read_dumps(sys.argv[1]).values()]]))
+"""
+
+
+def _entries_with_recording_off(folder: str, parent: str) -> tuple[bool, list[int]]:
+    """In a fresh process: its ranks' ring sizes with ``TORCH_FR_BUFFER_SIZE=0``. The recorder is one per
+    process, created at its first use, and a forked rank inherits its launcher's: so the launching
+    process must be one that has not used its own (a pytest worker may have)."""
+    out = subprocess.run([sys.executable, "-c", RECORDING_OFF, folder, parent], capture_output=True, text=True,
+                         timeout=120, cwd=REPO, env=cli_env())
+    assert out.returncode == 0, out.stderr[-2000:]
+    raised, sizes = json.loads(out.stdout.strip().splitlines()[-1])
+    return raised, sizes
+
+
 @needs_fr
 def test_with_recording_off_the_rings_are_empty(tmp_path):
-    with flight.recording(0):
-        run = mismatch.outcome(mismatch.mismatched_collective, "none", False, 1.0, 1, str(tmp_path), timeout=1.0)
-    assert not run["raised"]
-    assert all(not d["entries"] for d in flight.read_dumps(str(tmp_path)).values())
+    raised, sizes = _entries_with_recording_off(str(tmp_path / "off"), "fresh")
+    assert not raised and sizes and not any(sizes)
+    # control: once the launching process has its own recorder, the forked ranks keep recording
+    raised, sizes = _entries_with_recording_off(str(tmp_path / "touched"), "touched")
+    assert not raised and all(sizes)
 
 
 @needs_fr

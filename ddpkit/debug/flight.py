@@ -59,7 +59,9 @@ def require() -> None:
 def recording(entries: int = DEFAULT_ENTRIES):
     """Set ``TORCH_FR_BUFFER_SIZE`` around a launch (the ranks it starts inherit it); restore it afterwards.
 
-    ``entries=0`` turns the recorder off."""
+    ``entries=0`` turns the recorder off. The recorder is one per process, sized when it is first used: a
+    rank forked from a process that has already used its own (a collective of its own, or a dump) keeps
+    that one, whatever this says. A notebook kernel that only launches ranks never has."""
     require()
     old = os.environ.get(ENV)
     os.environ[ENV] = str(int(entries))
