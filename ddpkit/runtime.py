@@ -255,7 +255,8 @@ def init_process_group(ctx: RankContext, timeout_s: float = DEFAULT_TIMEOUT_S, f
 
 
 def _torchelastic_store(ctx: RankContext, timeout: datetime.timedelta) -> dist.Store | None:
-    """Under torchrun, the agent's store, with this restart's own key space; else None (env://).
+    """Under torchrun, the agent's store, with this restart's own key space where that is safe; else
+    None (env://).
 
     torchrun's agent hosts the rendezvous store and keeps it across ``--max-restarts``. Without a
     per-attempt prefix, the workers of restart N can read keys that the dead workers of restart N-1
@@ -266,7 +267,22 @@ def _torchelastic_store(ctx: RankContext, timeout: datetime.timedelta) -> dist.S
         return None
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), ctx.world_size,
                           is_master=False, timeout=timeout)
-    return dist.PrefixStore(f"/ddpkit/attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
+    prefix = attempt_prefix(os.environ)
+    return store if prefix is None else dist.PrefixStore(prefix, store)
+
+
+def attempt_prefix(env) -> str | None:
+    """The key space of this restart, or None where the workers of one round cannot agree on it.
+
+    ``TORCHELASTIC_RESTART_COUNT`` is each agent's own count: the agent whose worker failed counts the
+    restart, while the other nodes' agents restart their healthy workers for the new round without
+    counting it (``_invoke_run`` in torch's ``elastic/agent/server/api.py``), and an agent that joins
+    later counts from 0. On one node every worker has the same count; on several, prefixes built from it
+    would never meet and the process group would wait until its timeout. There the store is used as
+    torch's own ``env://`` set-up uses it, without a prefix."""
+    if env.get("GROUP_WORLD_SIZE", "1") != "1":
+        return None
+    return f"/ddpkit/attempt_{env['TORCHELASTIC_RESTART_COUNT']}"
 
 
 def destroy_process_group() -> None:

@@ -83,3 +83,14 @@ def test_seed_everything_reproduces_every_generator():
     assert draw() == first
     runtime.seed_everything(6)
     assert draw() != first
+
+
+def test_the_workers_of_one_torchrun_round_agree_on_their_store_keys():
+    # two nodes after a worker failure: the failing node's agent counted the restart, the other did not
+    failed_node = {"GROUP_WORLD_SIZE": "2", "TORCHELASTIC_RESTART_COUNT": "1"}
+    healthy_node = {"GROUP_WORLD_SIZE": "2", "TORCHELASTIC_RESTART_COUNT": "0"}
+    assert runtime.attempt_prefix(failed_node) == runtime.attempt_prefix(healthy_node)
+    # one node: every worker has the same count, and each restart gets keys of its own; also the control:
+    # the same two counts under the one-node rule would part the two nodes' workers
+    first, second = ({"GROUP_WORLD_SIZE": "1", "TORCHELASTIC_RESTART_COUNT": n} for n in ("0", "1"))
+    assert runtime.attempt_prefix(first) != runtime.attempt_prefix(second)
