@@ -201,9 +201,12 @@ def check_10(records):
     assert max(losses.values()) - min(losses.values()) < 1e-5
     ac = records["activation_checkpointing"]
     assert ac["same_grads"] and ac["kept"]["True"] < ac["kept"]["False"] / 4 and ac["verdict"] != "below"
-    assert [row["ddp: GPUs of 80 GB"] for row in records["big_models"]] == ["never", "never"]
+    need = {row["model"]: row for row in records["big_models"]}
+    assert [need[m]["ddp: GPUs of 80 GB"] for m in ("7B", "70B")] == ["never", "never"]
+    assert need["7B"]["zero1: GPUs of 80 GB"] == need["7B"]["fsdp2: GPUs of 80 GB"] == 2 and need["70B"]["fsdp2: GPUs of 80 GB"] == 14
     moved = records["comm_bytes"]
-    assert "fsdp2" not in moved or 1.25 < moved["fsdp2"] / moved["ddp"] < 1.6
+    if fsdp.cpu_supported():
+        assert 1.25 < moved["fsdp2"] / moved["ddp"] < 1.6
 
 
 def check_11(records):
@@ -484,5 +487,6 @@ def test_notebook_conventions(path):
     assert "<details>" in nb.cells[-1].source + nb.cells[-2].source, "hard questions with collapsed answers"
     for cell in nb.cells:
         if cell.cell_type == "markdown":
+            assert "\\n" not in cell.source, "a literal backslash-n in a markdown cell renders as text, not a line break"
             for target in re.findall(r"\]\((?!https?:)([^)#]+\.(?:ipynb|md))\)", cell.source):
                 assert (path.parent / target).exists(), f"link to a file that does not exist: {target}"
