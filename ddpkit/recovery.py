@@ -4,8 +4,8 @@
 step after the restart, in four parts, each read from timestamped events (``--metrics-dir``):
 
 * ``detection_s``: the fault (``fault_injected``) to the launcher noticing it (``failure_detected``,
-  written by ``ddpkit train`` when a launch fails; torchrun writes no such event, so there detection
-  is counted in the restart);
+  written by ``ddpkit train`` when a launch fails; under torchrun, read from the elastic agent's own
+  log: its first line about the failed worker group, :func:`agent_detection_time`);
 * ``restart_s``: to the restarted trainer being up (``started``: processes spawned, rendezvous done,
   model built);
 * ``restore_s``: to every rank having loaded and checked the checkpoint (``checkpoint_restored``);
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 
 from ddpkit.metrics import read_metrics
@@ -30,12 +31,38 @@ from ddpkit.metrics import read_metrics
 LAUNCHER_LOG = "launcher.jsonl"
 
 
-def note_failure_detected(metrics_dir: str | None, attempt: int) -> None:
-    """Written by ``ddpkit train`` when a launch fails (the moment the failure became known)."""
+def note_failure_detected(metrics_dir: str | None, attempt: int, at: float | None = None) -> None:
+    """Written by ``ddpkit train`` when a launch fails (the moment the failure became known), or for
+    torchrun from its agent's log (``at``: that moment, in seconds since the epoch)."""
     if metrics_dir:
         with open(os.path.join(metrics_dir, LAUNCHER_LOG), "a") as handle:
             handle.write(json.dumps({"event": "failure_detected", "rank": -1, "step": -1,
-                                     "time": time.time(), "attempt": attempt}) + "\n")
+                                     "time": time.time() if at is None else at, "attempt": attempt}) + "\n")
+
+
+# The elastic agent logs through torch's formatter: "W1128 20:10:14.882000 9806 torch/distributed/elastic/..."
+# (level, month and day, local time truncated to the millisecond, pid, file). Its first line about a failed
+# worker is either the SIGTERM it sends the survivors ("Sending process ... closing signal") or, when every
+# worker has already exited, the failure it reports ("failed (exitcode: ...)"): torch's
+# elastic/multiprocessing/api.py, SubprocessContext._poll and _close, run every monitor_interval (0.1 s).
+AGENT_LINE = re.compile(r"^[IWEF](\d{4}) (\d\d:\d\d:\d\d)\.(\d{6}) \d+ torch/distributed/elastic/\S+\] "
+                        r"(?:Sending process \d+ closing signal|failed \(exitcode)")
+
+
+def agent_detection_time(output: str, after: float) -> float | None:
+    """When torchrun's elastic agent noticed a failed worker: the first such line of its log (``output``)
+    at or after ``after`` (the fault, seconds since the epoch), as seconds since the epoch, or None.
+    The log has millisecond resolution and truncates, so the middle of that millisecond is returned."""
+    year = time.localtime(after).tm_year
+    for line in output.splitlines():
+        found = AGENT_LINE.match(line.strip())
+        if not found:
+            continue
+        month_day, clock, micros = found.groups()
+        stamp = time.mktime(time.strptime(f"{year}{month_day} {clock}", "%Y%m%d %H:%M:%S")) + int(micros) / 1e6 + 0.0005
+        if stamp >= after - 0.001:  # a line about this fault (the truncated millisecond allowed for)
+            return stamp
+    return None
 
 
 def recovery_times(metrics_dir: str) -> dict[str, float]:
@@ -50,10 +77,41 @@ def recovery_times(metrics_dir: str) -> dict[str, float]:
         if e["event"] == "step" and e["time"] >= restored:
             first_steps[e["rank"]] = min(first_steps.get(e["rank"], e["time"]), e["time"])
     first_step = max(first_steps.values())
-    detection = (min(detected) - death) if detected else 0.0
+    if not detected:
+        raise ValueError(f"{metrics_dir} has no failure_detected event after the fault: the launcher's detection "
+                         f"time is unknown (ddpkit train writes it; measure_recovery reads torchrun's from its log)")
+    detection = min(detected) - death
     parts = {"detection_s": detection, "restart_s": started - death - detection,
              "restore_s": restored - started, "first_step_s": first_step - restored}
     return {**parts, "total_s": first_step - death}
+
+
+def torn_newest(root: str) -> dict:
+    """Damage the newest checkpoint under ``root`` after the fact and ask which one a resume would use.
+
+    The second half of its state file is overwritten with zeros, the size unchanged: what a write that
+    never reached the disk can read back as after a power cut (a truncation is caught by the manifest's
+    byte count alone; this one only by the sha256). Returns the damaged folder's name (``torn``), the one
+    :func:`ddpkit.checkpoint.latest_good` chose (``used``), its warnings, and ``skipped``: the torn one was
+    passed over, with a warning naming it, for the one before. Notebook 14 asserts ``skipped``; without
+    the hash check (a negative control) the torn checkpoint is chosen."""
+    import warnings
+
+    from ddpkit import checkpoint
+
+    found = checkpoint.list_checkpoints(root)
+    newest = found[0]
+    state_file = newest / checkpoint.STATE_FILE
+    data = bytearray(state_file.read_bytes())
+    half = len(data) // 2
+    data[half:] = bytes(len(data) - half)
+    state_file.write_bytes(bytes(data))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        chosen = checkpoint.latest_good(root)
+    said = [str(w.message) for w in caught]
+    skipped = chosen is not None and len(found) > 1 and chosen == found[1] and any(newest.name in w for w in said)
+    return {"torn": newest.name, "used": chosen.name if chosen else None, "warnings": said, "skipped": skipped}
 
 
 def lost_work(save_times: list[float], start: float, end: float) -> dict[str, float]:
@@ -100,6 +158,12 @@ def measure_recovery(workdir: str, launcher: str = "ddpkit", world_size: int = 2
                        show=lambda line: "restarting" in line or "done: step" in line)
     if proc.returncode != 0:
         raise RuntimeError(f"the {launcher} run did not recover: {proc.stdout.strip().splitlines()[-1:]}")
+    if launcher == "torchrun":  # torchrun writes no event when it notices the death: its agent's log says when
+        death = min(e["time"] for e in read_metrics(metrics_dir, event=None) if e["event"] == "fault_injected")
+        detected = agent_detection_time(proc.stdout, death)
+        if detected is None:
+            raise RuntimeError("torchrun's agent logged no line about the failed worker: its detection time is unknown")
+        note_failure_detected(metrics_dir, 0, at=detected)
     return recovery_times(metrics_dir)
 
 

@@ -185,6 +185,15 @@ def _timed(record: list, kind: str, fn, device: torch.device = torch.device("cpu
     return wrapper
 
 
+def micro_batch_loss(out: torch.Tensor, target: torch.Tensor, n_micro: int) -> torch.Tensor:
+    """One micro-batch's share of the batch loss: its mean loss divided by the number of micro-batches.
+    The schedule sums the micro-batches' gradients, so that sum is the gradient of the whole batch's mean
+    loss, the unsplit model's (left undivided, every gradient would be ``n_micro`` times too large)."""
+    from ddpkit.models import loss_fn
+
+    return loss_fn(out, target) / n_micro
+
+
 def run_pipeline(ctx, cfg, schedule_name: str, n_micro: int, micro: int, repeats: int = 1) -> dict:
     """Train one step of ``cfg``'s GPT on ``n_micro`` micro-batches of ``micro`` sequences, pipelined over
     the world with ``torch.distributed.pipelining`` (a function for ``ddpkit.launch``), ``repeats`` times. Returns, from every stage: the largest
@@ -221,7 +230,7 @@ def run_pipeline(ctx, cfg, schedule_name: str, n_micro: int, micro: int, repeats
     stage.backward_one_chunk = _timed(timeline, "B", stage.backward_one_chunk, device)
     cls = ScheduleGPipe if schedule_name == "gpipe" else Schedule1F1B
     options = {"scale_grads": False} if "scale_grads" in inspect.signature(cls.__init__).parameters else {}
-    pipe = cls(stage, n_micro, loss_fn=lambda out, target: loss_fn(out, target) / n_micro, **options)
+    pipe = cls(stage, n_micro, loss_fn=lambda out, target: micro_batch_loss(out, target, n_micro), **options)
     for _ in range(repeats):
         timeline.clear()
         module.zero_grad(set_to_none=True)

@@ -16,6 +16,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from ddpkit.parallel import pipeline
 from ddpkit.parallel.pipeline import GPTStage, runnable_schedules, stage_bounds
 from ddpkit.parallel.pipeline_schedules import chunks_per_rank, stage_ranks
 
@@ -89,7 +90,8 @@ def run_schedules(ctx, cfg, names: list[str], n_micro: int, micro: int, v: int =
             weight = (lambda mb_index, **kw: None) if skip_w else stage.backward_weight_one_chunk
             stage.backward_weight_one_chunk = _timed(timeline, r, s, "W", weight)
             stages.append(stage)
-        pipe = cls(stages, n_micro, loss_fn=lambda output, target: loss_fn(output, target) / n_micro, scale_grads=False)
+        pipe = cls(stages, n_micro, loss_fn=lambda output, target: pipeline.micro_batch_loss(output, target, n_micro),
+                   scale_grads=False)
         dist.barrier()
         pipe.step(*((tokens,) if 0 in mine else ()), **({"target": tokens} if n_stages - 1 in mine else {}))
         names_of = {id(q): n for n, q in model.named_parameters()}
