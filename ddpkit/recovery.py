@@ -133,6 +133,30 @@ def cadence_cost(metrics_dir: str) -> dict[str, float]:
             "save_s": sum(e["seconds"] for e in saves), "run_s": end - start}
 
 
+def peers_after_a_death(cfg, fail_mode: str = "kill", timeout_s: float = 60.0, fail_at_step: int = 3) -> dict:
+    """Train ``cfg`` on real ranks with its last rank failing after ``fail_at_step`` steps, under a
+    collective timeout of ``timeout_s``, and time how long the job takes to end. ``kill``: the process dies
+    (SIGKILL), as when a GPU falls off the bus and takes its process with it; ``hang``: it stops without
+    exiting, as a hung GPU does. Returns ``ended_after_s``, the peers' first error lines (``peers``) and
+    ``fast``: the job ended in under half the timeout with the peers' errors reported, i.e. nobody waited
+    for the timeout. On gloo a death is fast (the peers' sockets close at once: "Connection reset by
+    peer"); a hang is not (the peers wait for the collective timeout): notebook 16's gpu-failure
+    evidence, and its negative control."""
+    from ddpkit import train
+    from ddpkit.failures import LaunchError
+    from ddpkit.launch import launch
+
+    started = time.monotonic()
+    peers: list[str] = []
+    try:
+        launch(train.run, cfg.replace(fail_mode=fail_mode, fail_at_step=fail_at_step, fail_rank=cfg.world_size - 1,
+                                      timeout=timeout_s), world_size=cfg.world_size, output="none")
+    except LaunchError as exc:
+        peers = [f"rank {o.rank}: {o.message.splitlines()[0][:120]}" for o in exc.others]
+    ended = time.monotonic() - started
+    return {"ended_after_s": ended, "timeout_s": timeout_s, "peers": peers, "fast": bool(peers) and ended < timeout_s / 2}
+
+
 def measure_recovery(workdir: str, launcher: str = "ddpkit", world_size: int = 2, steps: int = 20,
                      fail_at_step: int = 12, timeout_s: float = 300) -> dict[str, float]:
     """Run ``ddpkit train`` (or the same under ``torchrun``) with one rank SIGKILLed after ``fail_at_step``

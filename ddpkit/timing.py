@@ -45,3 +45,55 @@ def until_sure(sample: Callable[[], float], threshold: float, min_n: int = 6, ma
         if len(values) >= min_n and verdict(values, threshold, confidence) != "unclear":
             break
     return verdict(values, threshold, confidence), values
+
+
+def recompute_cost(model, tokens, threshold: float = 1.10, min_n: int = 6, max_n: int = 30, show=print,
+                   repeats: int = 3) -> dict:
+    """Notebook 10's timing lesson: what activation checkpointing costs in compute, sure of its sign.
+
+Pairs of forward + backward of ``model`` on ``tokens`` (labels: the tokens themselves), one with
+    ``model.activation_checkpointing`` on and one with it off, each arm run ``repeats`` times alternating
+    with the other and timed by its fastest run (a run that lost the core to another process for a time
+    slice says nothing about the arm), which arm starts alternating from pair to pair (on a busy machine
+    the first of two calls can be slower). After each pair a forward alone is timed: one more forward of
+    the blocks is what recomputation should add.
+    :func:`until_sure` decides whether the ratio (with / without) is above ``threshold``. Returns the
+    ``verdict``, the ``ratios``, and the ``plain_s`` and ``forward_s`` times. ``show`` gets a line per
+    pair, so the cell is never silent for long. The switch is the mechanism: on a model that ignores it
+    (the negative control) every ratio is about 1 and the verdict "below"."""
+    import time
+
+    import torch
+
+    from ddpkit.models import loss_fn
+
+    plain_s: list[float] = []
+    forward_s: list[float] = []
+
+    def timed(recompute: bool, forward_only: bool = False) -> float:
+        model.activation_checkpointing = recompute
+        started = time.perf_counter()
+        if forward_only:
+            with torch.no_grad():
+                model(tokens)
+        else:
+            loss_fn(model(tokens), tokens).backward()
+        seconds = time.perf_counter() - started
+        model.zero_grad(set_to_none=True)
+        return seconds
+
+    def ratio() -> float:
+        order = (False, True) if len(plain_s) % 2 == 0 else (True, False)
+        runs: dict[bool, list[float]] = {False: [], True: []}
+        for _ in range(repeats):
+            for recompute in order:
+                runs[recompute].append(timed(recompute))
+        pair = {recompute: min(times) for recompute, times in runs.items()}
+        forward_s.append(timed(False, forward_only=True))
+        plain_s.append(pair[False])
+        show(f"pair {len(plain_s)}: with recomputation {pair[True] / pair[False]:.2f}x the time")
+        return pair[True] / pair[False]
+
+    seen, ratios = until_sure(ratio, threshold, min_n=min_n, max_n=max_n)
+    model.activation_checkpointing = False
+    return {"verdict": seen, "ratios": ratios, "plain_s": plain_s, "forward_s": forward_s}

@@ -2,13 +2,12 @@
 mechanism removed (no recomputation; the same number of micro-batches) the check no longer holds."""
 
 import random
-import time
 
 import torch
 
 from ddpkit import timing
 from ddpkit.config import TrainConfig
-from ddpkit.models import build_model, loss_fn
+from ddpkit.models import build_model
 
 
 def test_verdict_is_a_sign_test():
@@ -28,26 +27,17 @@ def test_until_sure_stops_as_soon_as_it_is_sure_and_gives_up_at_max_n():
     assert seen == "unclear" and len(taken) == 12
 
 
-def test_without_recomputation_the_activation_checkpointing_check_is_not_passed():
-    """Negative control for notebook 10: both arms without recomputation. The pairs' ratios sit around
-    1, so the verdict is never "above" the 10% threshold (the notebook's claim)."""
+def test_without_recomputation_the_activation_checkpointing_check_fails():
+    """Negative control for notebook 10: its own measurement (``timing.recompute_cost``) on a model that
+    ignores the switch, so neither arm recomputes. The pairs' ratios sit around 1, below the 10% the
+    lesson claims, and the sign test says so: "below", which the notebook's ``seen != "below"`` refuses."""
     torch.set_num_threads(1)
-    model = build_model(TrainConfig(model="gpt", d_model=64, n_layers=2, seq_len=32))
-    tokens = torch.randint(0, 64, (8, 32), generator=torch.Generator().manual_seed(0))
+    model = build_model(TrainConfig(model="gpt", d_model=128, n_layers=4, seq_len=64))  # notebook 10's model
 
-    def step() -> float:
-        started = time.perf_counter()
-        loss_fn(model(tokens), tokens).backward()
-        model.zero_grad(set_to_none=True)
-        return time.perf_counter() - started
+    class IgnoresTheSwitch(type(model)):  # the mechanism removed: recomputation never happens
+        activation_checkpointing = property(lambda self: False, lambda self, value: None)
 
-    model.activation_checkpointing = False
-    pairs = []
-
-    def ratio() -> float:  # "with" over "without", both without recomputation; the order alternates as in notebook 10
-        first, second = step(), step()
-        pairs.append(None)
-        return first / second if len(pairs) % 2 else second / first
-
-    seen, ratios = timing.until_sure(ratio, 1.10, min_n=8, max_n=24)
-    assert seen != "above", ratios
+    model.__class__ = IgnoresTheSwitch
+    tokens = torch.randint(0, 64, (8, 64), generator=torch.Generator().manual_seed(0))  # half its batch: quicker
+    cost = timing.recompute_cost(model, tokens, 1.10, min_n=8, max_n=40, show=lambda line: None)
+    assert cost["verdict"] == "below", cost["ratios"]
