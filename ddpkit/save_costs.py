@@ -56,3 +56,29 @@ def measure_save_costs(ctx, cfg, root: str, steps_after: int = 6) -> dict:
         dist.broadcast_object_list(shared, src=0, group=ctx.world_group)
     trainer.close()
     return shared[0]
+
+
+def busiest_writer_seconds(files: dict[str, str | Path], repeats: int = 6) -> dict[str, dict]:
+    """The write time of each format's busiest writer: for each named file (the largest one a single rank
+    wrote in that format), its bytes written again into a fresh file, ``repeats`` times, alternating
+    between the files so that the load hits each alike, timed by the fastest write (a write that lost
+    the core to another process says nothing about the bytes). The writes go to the page cache, not
+    through fsync: the disk here is shared with other processes, and the fsync a checkpoint needs is
+    notebook 06's lesson. Returns each name's ``bytes`` and ``seconds``. At scale this is the save time
+    that sharding divides: a full save pushes the whole state through one rank; DCP, 1/N of it."""
+    import os
+    import tempfile
+
+    data = {name: Path(path).read_bytes() for name, path in files.items()}
+    seconds: dict[str, list[float]] = {name: [] for name in data}
+    with tempfile.TemporaryDirectory(prefix="ddpkit-writer-") as folder:
+        target = os.path.join(folder, "rewrite")
+        for round_ in range(repeats):
+            for name in (list(data) if round_ % 2 == 0 else list(data)[::-1]):
+                started = time.perf_counter()
+                with open(target, "wb") as handle:
+                    handle.write(data[name])
+                    handle.flush()
+                seconds[name].append(time.perf_counter() - started)
+                os.remove(target)
+    return {name: {"bytes": len(data[name]), "seconds": min(seconds[name])} for name in data}

@@ -345,3 +345,36 @@ def test_a_rank_that_hangs_instead_of_dying_keeps_its_peers_waiting():
     hung = recovery.peers_after_a_death(mlp, "hang", timeout_s=4)
     assert died["fast"], died
     assert not hung["fast"] and hung["ended_after_s"] >= hung["timeout_s"], hung
+
+
+def test_the_scaling_model_misses_a_ddp_step_whose_all_reduce_is_removed():
+    """Notebooks 09's and 16's scaling check (``scaling.check_prediction``: the model, calibrated on
+    measured all-reduces, predicts the efficiency of a real DDP step within 0.25): it holds for DDP, and
+    fails for a DDP whose comm hook sends nothing, which runs near efficiency 1 while the model, charging
+    each bucket's all-reduce, predicts about half."""
+    from ddpkit.parallel import comm, cost, scaling
+
+    sizes = [2**k for k in range(10, 23, 2)]
+    rows = launch(comm.benchmark, sizes, ("all_reduce",), 5, world_size=2, output="none")[0]
+    link = cost.fit_ring([r["bytes"] for r in rows], [r["best_seconds"] for r in rows], 2)
+    mlp = TrainConfig()  # the notebooks' model: about 1.6 MB of gradients, as much all-reduce as compute here
+    kept = scaling.check_prediction(launch(scaling.measure_steps, mlp, world_size=2, output="none"), link)
+    removed = scaling.check_prediction(launch(scaling.measure_steps, mlp, 30, False, world_size=2, output="none"), link)
+    assert kept["ok"], kept
+    assert not removed["ok"] and removed["measured_efficiency"] > removed["predicted_efficiency"] + 0.25, removed
+
+
+def test_without_sharding_the_busiest_writer_writes_no_faster(tmp_path):
+    """Notebook 11's "the busiest writer's write takes longer in a full save" (``save_costs.busiest_writer_seconds``,
+    more than 1.5x): against a DCP rank that holds the whole state (one writer, as without sharding) the
+    two writes take the same time and the check fails."""
+    from ddpkit import checkpoint, save_costs
+
+    state = {f"w{i}": torch.randn(256, 256) for i in range(12)}  # 3 MiB
+    full = checkpoint.save(tmp_path / "full", 1, state) / checkpoint.STATE_FILE
+    shard = tmp_path / "shard.bin"
+    shard.write_bytes(full.read_bytes()[: full.stat().st_size // 4])  # a quarter of it, as one of 4 DCP ranks writes
+    sharded = save_costs.busiest_writer_seconds({"full": full, "dcp": shard})
+    alone = save_costs.busiest_writer_seconds({"full": full, "dcp": full})
+    assert sharded["full"]["seconds"] > 1.5 * sharded["dcp"]["seconds"], sharded
+    assert not alone["full"]["seconds"] > 1.5 * alone["dcp"]["seconds"], alone
