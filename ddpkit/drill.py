@@ -113,8 +113,10 @@ QUESTIONS = [
              "from NVLink to the network (10-100x slower) once the job leaves one node; (2) the latency term, 2(N-1) "
              "messages (trees make it log N); (3) the slowest of N GPUs: stragglers, whose expected maximum grows with "
              "N. Strong scaling (the global batch fixed): each GPU's compute also shrinks as 1/N while the all-reduce "
-             "does not, so efficiency collapses much sooner. Levers: overlap the all-reduce with backward (buckets), "
-             "hierarchical collectives, bigger per-GPU work, and finding stragglers from per-rank step times."),
+             "does not, so efficiency collapses much sooner. Seed 003's table (90% at 8 GPUs down to 60% at 1,024) has "
+             "that shape only with most of the all-reduce hidden behind backward and stragglers that grow with N: the "
+             "links alone give a step at the node boundary, then a plateau. Levers: overlap the all-reduce with backward "
+             "(buckets), hierarchical collectives, bigger per-GPU work, and finding stragglers from per-rank step times."),
     Question("plan-70b", "seed 003", "How would you train a 70B-parameter model?",
              "State first: 16 bytes/param with Adam in mixed precision = 1.12 TB (seed 003 says 840 GB: it leaves out "
              "the fp32 master copy). Layout: tensor parallelism 8 inside a node (it all-reduces activations every layer: "

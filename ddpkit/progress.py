@@ -196,3 +196,30 @@ def loss_svg(steps: list[int], losses: list[float], total: int, width: int = 420
             f'<text x="12" y="{(top + height - bottom) / 2}" text-anchor="middle" '
             f'transform="rotate(-90 12 {(top + height - bottom) / 2})">loss</text>'
             f'<polyline fill="none" stroke="#1f77b4" stroke-width="2" points="{points}"/></svg>')
+
+
+class heartbeat:  # noqa: N801 - used as a context manager, like contextlib's
+    """``with heartbeat("importing matplotlib"):`` prints the label at once and then, from a background
+    thread, a "still ..." line every ``every_s`` seconds until the block ends: for a cell whose work
+    prints nothing for a while (imports, a computation) and would otherwise look hung. The launcher's
+    own runs need none (they show progress, or a heartbeat of their own, after ``HEARTBEAT_S``)."""
+
+    def __init__(self, label: str, every_s: float = HEARTBEAT_S) -> None:
+        self.label, self.every_s = label, every_s
+
+    def __enter__(self) -> "heartbeat":
+        import threading
+
+        print(f"{self.label} ...", flush=True)
+        self.started, self.done = time.monotonic(), threading.Event()
+        self.thread = threading.Thread(target=self._beat, daemon=True)
+        self.thread.start()
+        return self
+
+    def _beat(self) -> None:
+        while not self.done.wait(self.every_s):
+            print(f"... still {self.label} ({time.monotonic() - self.started:.0f} s)", flush=True)
+
+    def __exit__(self, *exc) -> None:
+        self.done.set()
+        self.thread.join()

@@ -218,3 +218,22 @@ def _kit_text() -> dict[str, str]:
 def test_corrected_wording_does_not_come_back():
     found = [(name, phrase, why) for name, text in _kit_text().items() for phrase, why in WRONG.items() if phrase in text]
     assert not found, found
+
+
+def test_torchruns_agent_logs_the_failed_worker_it_noticed():
+    """14, recovery.py: torchrun's detection time is read from its agent's log: the survivors' SIGTERM or the
+    failure it reports, both logged by the code that polls the workers every monitor_interval (0.1 s)."""
+    from torch.distributed.elastic.agent.server.api import WorkerSpec
+    from torch.distributed.elastic.multiprocessing import api
+
+    from ddpkit import recovery
+
+    source = inspect.getsource(api)
+    assert '"Sending process %s closing signal %s"' in source and '"failed (exitcode: %s) local_rank: %s' in source
+    assert inspect.signature(WorkerSpec).parameters["monitor_interval"].default == 0.1
+    line = "W1128 20:10:14.882000 9806 torch/distributed/elastic/multiprocessing/api.py:1028] Sending process 10012 closing signal SIGTERM"
+    import time as clock
+
+    fault = clock.mktime(clock.strptime(f"{clock.localtime().tm_year}1128 20:10:14", "%Y%m%d %H:%M:%S")) + 0.8
+    assert abs(recovery.agent_detection_time("noise\n" + line, fault) - (fault + 0.0825)) < 1e-6
+    assert recovery.agent_detection_time(line, fault + 1.0) is None  # a line from before the fault is not its detection

@@ -378,3 +378,19 @@ def test_without_sharding_the_busiest_writer_writes_no_faster(tmp_path):
     alone = save_costs.busiest_writer_seconds({"full": full, "dcp": full})
     assert sharded["full"]["seconds"] > 1.5 * sharded["dcp"]["seconds"], sharded
     assert not alone["full"]["seconds"] > 1.5 * alone["dcp"]["seconds"], alone
+
+
+def test_without_pruning_every_checkpoint_stays(tmp_path, monkeypatch):
+    """Notebook 14's "saved after steps 5, 10, 15 and 20 with keep_last=3, the newest 3 kept" (the folder's
+    ``checkpoint.list_checkpoints``) with the pruning removed: all four stay and the check fails."""
+    from ddpkit import checkpoint
+
+    def four_saves(root):
+        for step in (5, 10, 15, 20):
+            checkpoint.save(root, step, {"w": torch.ones(4)}, keep_last=3)
+        return [p.name for p in checkpoint.list_checkpoints(root)]
+
+    newest_three = ["step-00000020", "step-00000015", "step-00000010"]
+    assert four_saves(tmp_path / "kept") == newest_three
+    monkeypatch.setattr(checkpoint, "prune", lambda root, keep_last, keep=None: None)
+    assert four_saves(tmp_path / "removed") != newest_three
