@@ -1,5 +1,6 @@
-"""The sign test behind notebook 10's and 13's timing lessons, and its negative controls: with the
-mechanism removed (no recomputation; the same number of micro-batches) the check no longer holds."""
+"""The sign test behind notebook 10's and 13's timing lessons, and notebook 10's negative control: with
+recomputation removed, the notebook's own measurement (``timing.recompute_cost``) gives the verdict its
+check refuses."""
 
 import random
 
