@@ -220,15 +220,21 @@ def ring_bytes_per_rank(nbytes: int, world: int) -> float:
 # --------------------------------------------------------------------------- measuring collectives
 
 def memcpy_bandwidth(nbytes: int = 64 * 2**20, repeats: int = 5) -> float:
-    """Bytes per second of a plain memory copy of ``nbytes`` on this machine (best of ``repeats``):
-    the ceiling for any collective between processes that share its memory."""
+    """Bytes per second of a plain memory copy of ``nbytes`` on this machine (best of ``repeats``), on one
+    thread, as each rank runs: the ceiling for any collective between processes that share its memory.
+    (On two threads a copy waits for the slower one: beside a busy process on every core that halved it
+    several times over, below what gloo's single-threaded ranks reached.)"""
     src = torch.ones(nbytes // 4)
     dst = torch.empty_like(src)
-    best = math.inf
-    for _ in range(repeats):
-        start = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - start)
+    best, threads = math.inf, torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for _ in range(repeats):
+            start = time.perf_counter()
+            dst.copy_(src)
+            best = min(best, time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(threads)
     return nbytes / best
 
 
