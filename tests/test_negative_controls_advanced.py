@@ -349,9 +349,9 @@ def test_a_rank_that_hangs_instead_of_dying_keeps_its_peers_waiting():
 
 def test_the_scaling_model_misses_a_ddp_step_whose_all_reduce_is_removed():
     """Notebooks 09's and 16's scaling check (``scaling.check_prediction``: the model, calibrated on
-    measured all-reduces, predicts the efficiency of a real DDP step within 0.25): it holds for DDP, and
-    fails for a DDP whose comm hook sends nothing, which runs near efficiency 1 while the model, charging
-    each bucket's all-reduce, predicts about half."""
+    measured all-reduces, bounds the efficiency of a real DDP step: between its own minus 0.4 and plus
+    0.15): it holds for DDP, and fails for a DDP whose comm hook sends nothing, which runs near efficiency
+    1 while the model, charging each bucket's all-reduce, predicts about half."""
     from ddpkit.parallel import comm, cost, scaling
 
     sizes = [2**k for k in range(10, 23, 2)]
@@ -361,7 +361,7 @@ def test_the_scaling_model_misses_a_ddp_step_whose_all_reduce_is_removed():
     kept = scaling.check_prediction(launch(scaling.measure_steps, mlp, world_size=2, output="none"), link)
     removed = scaling.check_prediction(launch(scaling.measure_steps, mlp, 30, False, world_size=2, output="none"), link)
     assert kept["ok"], kept
-    assert not removed["ok"] and removed["measured_efficiency"] > removed["predicted_efficiency"] + 0.25, removed
+    assert not removed["ok"] and removed["measured_efficiency"] > removed["band"][1], removed
 
 
 def test_without_sharding_the_busiest_writer_writes_no_faster(tmp_path):

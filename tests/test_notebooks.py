@@ -189,7 +189,8 @@ def check_09(records):
     scaling = records["scaling"]
     assert scaling["fit_error"] <= 0.05 and scaling["no_straggler_error"] >= 0.08
     check = records["scaling_here"]["check"]  # the model against a real DDP step, with and without its all-reduce
-    assert check["ok"] and check["predicted_comm_s"] > 0 and abs(check["measured_efficiency"] - check["predicted_efficiency"]) <= 0.25
+    assert check["ok"] and check["predicted_comm_s"] > 0
+    assert check["predicted_efficiency"] - 0.4 <= check["measured_efficiency"] <= check["predicted_efficiency"] + 0.15
 
 
 def check_10(records):

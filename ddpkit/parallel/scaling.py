@@ -6,16 +6,17 @@ curve drawn from a model cannot fail by itself: efficiency falls with N for any 
 communication time. What can fail is the model's prediction of a step that really runs, so
 :func:`measure_steps` times, on the same ranks, in alternating rounds (the same load on each kind):
 
-* ``compute``: forward + backward of one micro-batch on a plain replica, no communication;
-* ``ddp``: the same on a DDP replica, whose backward ends only when its bucketed gradient all-reduce
-  has finished (the reducer waits for it);
-* ``all_reduce``: one all-reduce of as many bytes as the gradients, alone.
+* ``without``: forward + backward of one micro-batch on a DDP replica whose comm hook sends nothing:
+  everything a DDP step does but the communication;
+* ``ddp``: the same on a DDP replica with PyTorch's default hook, whose backward ends only when the
+  last bucket's all-reduce has finished (the reducer waits for it).
 
-:func:`check_prediction` compares the measured efficiency, compute over DDP step, with the model's
-compute / (compute + predicted all-reduce). Each kind is timed by its fastest round (the link is
-fitted to the fastest calls too): a round that lost the core to another process for a time slice
-says nothing about the mechanism. A DDP whose all-reduce is removed runs at an efficiency near 1,
-far from the model's, and the check fails (``tests/test_negative_controls_advanced.py``).
+:func:`check_prediction` compares the measured efficiency, ``without`` over ``ddp``, with the model's:
+``without`` over itself plus the ring all-reduce of each of DDP's buckets on the fitted link. Each kind
+is timed by its fastest round (the link is fitted to the fastest calls too): a round that lost the
+core to another process for a time slice says nothing about the mechanism. A DDP whose all-reduce is
+removed runs at an efficiency near 1, far above the model's, and the check fails
+(``tests/test_negative_controls_advanced.py``).
 """
 
 from __future__ import annotations
@@ -87,12 +88,17 @@ def measure_steps(ctx, cfg, rounds: int = 30, communicate: bool = True) -> dict:
     return {**seconds, "bucket_bytes": buckets}
 
 
-def check_prediction(measured: list[dict], link: AlphaBeta, tolerance: float = 0.25) -> dict:
+def check_prediction(measured: list[dict], link: AlphaBeta, below: float = 0.4, above: float = 0.15) -> dict:
     """The model's efficiency at this world size against the measured one (``measured``: every rank's
     :func:`measure_steps`). A kind's time is its fastest round on the slowest rank. The ideal step is
     the DDP step without its all-reduce; the model adds the ring all-reduce of each of DDP's buckets on
-    the fitted ``link`` (no overlap: on a CPU whose cores all compute, gloo's threads take their time
-    from backward). Returns both efficiencies, the times, and ``ok``: within ``tolerance`` of each other."""
+    the fitted ``link``, none of it hidden (the buckets fill at the end of backward, when little compute
+    is left to hide them behind). So the model is close to an upper bound: on a machine whose cores all
+    compute, gloo's threads take their time from backward and the step can fall well below it (by up to
+    0.3 measured here beside a busy process per core), but it cannot rise much above it.
+    ``ok``: the measured efficiency lies between the model's minus ``below`` and plus ``above``. A
+    link fitted wrong by a factor of a few, or a DDP step without its all-reduce (efficiency near 1,
+    the negative control), lands outside."""
     world = len(measured)
     fastest = {kind: max(min(rank[kind]) for rank in measured) for kind in ("without", "ddp")}
     buckets = measured[0]["bucket_bytes"]
@@ -101,4 +107,5 @@ def check_prediction(measured: list[dict], link: AlphaBeta, tolerance: float = 0
     actual = fastest["without"] / fastest["ddp"]
     return {"world": world, "bucket_bytes": buckets, "step_without_comm_s": fastest["without"], "ddp_step_s": fastest["ddp"],
             "predicted_comm_s": predicted_comm, "measured_comm_s": fastest["ddp"] - fastest["without"],
-            "measured_efficiency": actual, "predicted_efficiency": predicted, "ok": abs(actual - predicted) <= tolerance}
+            "measured_efficiency": actual, "predicted_efficiency": predicted, "band": [predicted - below, predicted + above],
+            "ok": predicted - below <= actual <= predicted + above}
