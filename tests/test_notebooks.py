@@ -416,6 +416,11 @@ def check_10b(records):
     assert hsdp["placements"] == ["R", "S(0)"] and hsdp["per_step"]["backward_all_reduce"] == hsdp["units"]
     assert hsdp["gap"] < 1e-5 < hsdp["alone_gap"]
     assert [r["max_units_alive"] for r in records["prefetch"]] == [1, 2, 3]
+    assert [r["max_units_alive_backward"] for r in records["prefetch"]] == [2, 2, 3]  # one prefetched by default
+    overlap = records["overlap"]  # prefetch vs blocking all-gathers, from profiler traces
+    assert overlap["median"]["control"]["all_gather"] < 0.05 and overlap["verdict"] in ("above", "unclear")
+    if overlap["verdict"] == "above":
+        assert overlap["median"]["treated"]["all_gather"] > overlap["median"]["control"]["all_gather"]
     offload = records["offload"]
     assert offload["same_losses"] and offload["state_off_device"] == 4 * offload["shard_bytes"]
     tp = records["tp_fsdp"]
