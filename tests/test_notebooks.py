@@ -312,6 +312,8 @@ def check_19(records):
     assert 0.2 < crossing["tp_share_across"] < 0.3
     validation = records["validation"]
     assert validation["n"] >= 7 and validation["rho"] >= validation["threshold"] > validation["shuffled_median"]
+    assert {"cp 2", "4 experts, ep 2"} <= set(validation["layouts"]) and min(validation["new_terms"].values()) > 0
+    assert ("hsdp 2 x 2" in validation["layouts"]) == fsdp.cpu_supported()
 
 
 def check_17(records):
