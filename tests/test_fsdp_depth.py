@@ -174,3 +174,25 @@ def test_overlap_negative_control_blocking_against_itself_is_never_above(tmp_pat
 def test_an_unknown_overlap_mode_is_refused():
     with pytest.raises(ValueError, match="blocking, prefetch"):
         fsdp_prefetch.build("eager", 8, 2)
+
+
+def test_compute_is_the_training_threads_operators_not_gloos_copies(tmp_path):
+    """gloo's worker threads run aten:: copies of their own; counted as compute they would fake an overlap."""
+    import json
+
+    from ddpkit.debug import timeline
+
+    events = [{"ph": "X", "name": "c10d::_allgather_base_", "tid": 1, "ts": 0, "dur": 5},  # the training thread issues it
+              {"ph": "X", "name": "aten::mm", "tid": 1, "ts": 100, "dur": 50},  # ...computes after the gather
+              {"ph": "X", "name": "gloo:all_gather", "tid": 2, "ts": 10, "dur": 80},  # gloo's thread moves the bytes
+              {"ph": "X", "name": "aten::copy_", "tid": 2, "ts": 20, "dur": 30},  # ...and copies them
+              {"ph": "X", "name": "ddpkit.step 0 0", "tid": 1, "ts": 0, "dur": 160}]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events, "baseTimeNanoseconds": 0}))
+    spans = timeline.thread_intervals(str(path), ("gloo:all_gather",), marks="ddpkit.")
+    assert spans["compute"] == [(100e-6, 150e-6)] and spans["marks"] == [("ddpkit.step 0 0", 0.0, 160e-6)]
+    assert timeline.overlapped_fraction(spans["compute"], spans["comm"]["gloo:all_gather"]) == 0.0
+    # control: every thread's operators as compute (timeline.intervals without DDP's allreduce_) finds an overlap
+    every = timeline.intervals(str(path))
+    assert timeline.overlapped_fraction(every["compute"], spans["comm"]["gloo:all_gather"]) > 0.3
+    assert timeline.clip([(0.0, 1.0), (2.0, 3.0)], 0.5, 2.5) == [(0.5, 1.0), (2.0, 2.5)]
