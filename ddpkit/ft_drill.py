@@ -71,7 +71,7 @@ def run_drill(workdir: str, *, die_mode: str = "between", die_at_step: int = 6, 
     """One drill: replica 1 dies at ``die_at_step`` (``die_mode``), replica 0 goes on; with ``restart`` a new
     replica 1 starts once replica 0 committed ``alone_steps`` steps alone, and both train to ``steps``.
 
-    ``die_mode="none"``: nobody dies, both train to ``steps`` (to compare ``wrapper``\ s without a failure).
+    ``die_mode="none"``: nobody dies, both train to ``steps`` (to compare the wrappers without a failure).
     ``wrapper`` is how every replica averages its gradients (:data:`ddpkit.ft_replicas.WRAPPERS`); with
     torchft's ``ddp`` wrapper the survivor may crash, which the summary reports (``crashed``) instead of raising."""
     if not available():

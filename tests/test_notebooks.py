@@ -387,13 +387,16 @@ def check_21(records):
     assert elastic["global_batches"] == [16] and elastic["same_data"] and elastic["lost_steps"] >= 1
     assert elastic["grow_lost_steps"] == 0 and elastic["grow_saved_step"] == elastic["grow_resumed_from"]
     if not records["torchft"]:  # the optional extra is missing: the torchft cells said so and skipped
-        assert "replicas" not in records and "mid_allreduce" not in records
+        assert "replicas" not in records and "mid_allreduce" not in records and "wrappers" not in records
         return
     replicas, mid = records["replicas"], records["mid_allreduce"]
     assert replicas["no_step_lost"] and replicas["heal_bitwise"] and replicas["final_equal"]
     assert replicas["joined_step"] == replicas["survivor_step_at_join"] > replicas["first_alone_step"]
     assert len(mid["retried"]) == 1 and mid["retried"][0]["unchanged"] and mid["no_step_lost"] and mid["same"]
     assert replicas["survivor_blocked_s"] < elastic["back_s"]
+    wrappers = records["wrappers"]  # torchft's DDP wrappers: what does not work
+    assert wrappers["ddp_error"] == "AssertionError" and wrappers["ddp_where"].startswith("torchft/ddp.py:")
+    assert wrappers["ddp_same_before"] and wrappers["pure_differs"] >= 1
 
 
 def check_10b(records):
@@ -431,6 +434,10 @@ def check_22(records):
         assert missing("deepspeed") and set(records) <= {"seed_table", "ray"}
         return
     assert records["seed_config"]["batch_error"] and records["seed_config"]["shm_left"] == []
+    fixed = records["seed_config_fixed"]  # the seed's config, only its batch fixed: bf16, ZeRO-3, CPUAdam, clip 1.0
+    assert fixed["finite"] and fixed["weights_dtype"] == "bfloat16" and fixed["optimizer"] == "DeepSpeedCPUAdam"
+    assert fixed["offload"] == "cpu" and fixed["clipping"] == 1.0 and fixed["stage"] == 3
+    assert fixed["lrs"][:2] == [0.0, 0.0] and fixed["lrs"] == sorted(fixed["lrs"]) and fixed["lrs"][-1] < 1e-4 / 4
     assert all(r["equal_losses"] and r["equal_weights"] for r in records["stages"].values())
     clip = records["clipping"]
     assert clip["default"] == 1.0 and clip["first_gap"] == 0.0 < clip["max_gap"]
