@@ -1,6 +1,6 @@
 """What one ``ddpkit train --launcher ray`` costs: wall seconds, and CPU seconds of every process it starts.
 
-Run by ``.ci/ray`` (not by ``python -m benchmarks``: Ray is an optional extra). It decides whether CI can
+Run by ``.ci/extras`` (not by ``python -m benchmarks``: Ray is an optional extra). It decides whether CI can
 afford Ray's tests, so it measures the two numbers that decision needs:
 
 * **wall seconds**, the launcher's and Ray's side by side (the same config): on a busy machine these grow

@@ -172,6 +172,7 @@ def weak_scaling(ctx, cfg, rounds: int, steps: int) -> dict:
 
 def main(steps: int = 600, warmup: int = 30) -> dict:
     cfg = TrainConfig(world_size=2, micro_batch_size=32, dataset_size=4096, log_every=10**6)
+    load_overhead = os.getloadavg()[0]
     runs = launch(overhead, cfg, steps, warmup, world_size=2, output="none")[0]
     s = {name: summarize(values) for name, values in runs.items()}
     base = s["hand_written"]["median_s"]
@@ -189,7 +190,7 @@ def main(steps: int = 600, warmup: int = 30) -> dict:
         "step_overhead": {**s, "ratio_median": s["ddpkit"]["median_s"] / base,
                           "ratio_with_metrics_dir": s["ddpkit_with_metrics_dir"]["median_s"] / base,
                           "paired_ratio_median": statistics.median(a / b for a, b in zip(runs["ddpkit"], runs["hand_written"])),
-                          "target_ratio": 1.02,
+                          "target_ratio": 1.02, "loadavg_1": round(load_overhead, 2),
                           "note": f"world 2, MLP 256-512-512-8, micro-batch 32; {steps} steps each, one step of each "
                                   "variant in turn in the same ranks, after a warm-up. ddpkit: as `ddpkit train` runs "
                                   "(DDP's built-in C++ all-reduce hook); with metrics dir: as `--metrics-dir` runs (the "

@@ -27,7 +27,7 @@ def _job(ctx, cfg):
             1: deepspeed_run.train_engine(ctx, cfg, deepspeed_run.cpu_config(cfg, ctx.world_size, 1)),
             3: deepspeed_run.train_engine(ctx, cfg, deepspeed_run.cpu_config(cfg, ctx.world_size, 3)),
             "default": deepspeed_run.train_engine(ctx, cfg, deepspeed_run.cpu_config(cfg, ctx.world_size, 1, None)),
-            "seed": deepspeed_run.train_seed_config(ctx, cfg, 3)}
+            "seed": deepspeed_run.train_seed_config(ctx, cfg, 3) if deepspeed_run.ops_built(("cpu_adam",)) else None}
 
 
 def leftovers() -> tuple[set, set]:
@@ -101,6 +101,8 @@ def test_default_clipping_is_the_negative_control(runs):
 
 def test_the_seeds_config_with_its_batch_fixed_trains_on_the_cpu_as_written(runs):
     seed = runs["seed"]  # bf16, ZeRO-3 with the optimizer offloaded (DeepSpeedCPUAdam, compiled), clipping 1.0
+    if seed is None:
+        pytest.skip("DeepSpeedCPUAdam is not compiled here: deepspeed_run.build_ops() compiles it (about 2.5 CPU minutes)")
     assert seed["global_batch"] == 8 * 4 * 2 and seed["weights_dtype"] == "bfloat16" and seed["stage"] == 3
     assert seed["optimizer"] == "DeepSpeedCPUAdam" and seed["offload"] == "cpu" and seed["clipping"] == 1.0
     assert len(seed["losses"]) == 3 and all(0 < x < 10 for x in seed["losses"])
