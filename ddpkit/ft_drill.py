@@ -41,12 +41,12 @@ def _start(zygote: Zygote, workdir: str, replica: int, generation: int, lighthou
 
 
 @contextlib.contextmanager
-def _zygote(zygote: Zygote | None):
+def _zygote(zygote: Zygote | None, show=None):
     """The zygote given, or one of our own for the duration."""
     if zygote is not None:
         yield zygote
         return
-    own = Zygote()
+    own = Zygote(show=show)
     try:
         yield own
     finally:
@@ -76,7 +76,7 @@ def run_drill(workdir: str, *, die_mode: str = "between", die_at_step: int = 6, 
     torchft's ``ddp`` wrapper the survivor may crash, which the summary reports (``crashed``) instead of raising."""
     if not available():
         raise RuntimeError(MISSING)
-    with _zygote(zygote) as forks:
+    with _zygote(zygote, show) as forks:
         return _drill(forks, workdir, die_mode, die_at_step, steps, heal, restart, alone_steps, ignore_commit,
                       wrapper, timeout_s, show, name)
 
@@ -133,7 +133,7 @@ def _drill(zygote: Zygote, workdir: str, die_mode: str, die_at_step: int, steps:
             if crashed and "crashed" not in said:
                 said.add("crashed")
                 say(f"{prefix}replica 0 crashed at step {crashed['step']}: {crashed['error']} in {crashed['where']}")
-            if time.monotonic() - last_line[0] > 5:  # never silent for long: where replica 0 is
+            if time.monotonic() - last_line[0] > 3.5:  # never silent for long: where replica 0 is
                 at = max((e["step"] for e in survivor if e["event"] == "step"), default=None)
                 say(f"{prefix}... replica 0 " + ("starting" if at is None else f"at step {at}"))
             time.sleep(0.05)
@@ -216,7 +216,7 @@ def run_drills(workdir: str, drills: dict[str, dict], show=print) -> dict[str, d
     """Several drills at once, each in its own folder with its own lighthouse; their summaries by name."""
     if not available():
         raise RuntimeError(MISSING)
-    with _zygote(None) as zygote, ThreadPoolExecutor(max_workers=len(drills)) as pool:
+    with _zygote(None, show) as zygote, ThreadPoolExecutor(max_workers=len(drills)) as pool:
         futures = {name: pool.submit(run_drill, os.path.join(workdir, name), show=show, name=name, zygote=zygote,
                                      **kwargs) for name, kwargs in drills.items()}
         return {name: future.result() for name, future in futures.items()}

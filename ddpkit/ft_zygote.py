@@ -106,7 +106,7 @@ class Child:
 class Zygote:
     """The controller's side: start the zygote, ask it for replicas (thread-safe), close it."""
 
-    def __init__(self, timeout_s: float = 120.0) -> None:
+    def __init__(self, timeout_s: float = 120.0, show=None) -> None:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen([sys.executable, "-m", "ddpkit.ft_zygote"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True, env=env)
@@ -115,9 +115,13 @@ class Zygote:
         self._lock, self._next = threading.Lock(), 0
         self._ready = threading.Event()
         threading.Thread(target=self._read, daemon=True).start()
-        if not self._ready.wait(timeout_s):
-            self.close()
-            raise TimeoutError(f"the replica zygote did not import torch and torchft within {timeout_s:.0f} s")
+        started = time.monotonic()
+        while not self._ready.wait(3.0):  # a notebook cell says what it waits for, every few seconds
+            if time.monotonic() - started > timeout_s or self.proc.poll() is not None:
+                self.close()
+                raise TimeoutError(f"the replica zygote did not import torch and torchft within {timeout_s:.0f} s")
+            if show is not None:
+                show(f"... importing torch and torchft once for every replica ({time.monotonic() - started:.0f} s)")
 
     def _read(self) -> None:
         for line in self.proc.stdout:

@@ -1180,7 +1180,7 @@ def on_this_rank_only(ids):  # no communication: a rank alone sees no repeat acr
     return len(set(ids)) < len(ids)
 
 
-def against_rank_0(ids):  # every rank compares its ids with rank 0's, and all agree on the answer
+def compared_with_rank_0(ids):  # every rank compares its ids with rank 0's, and all agree on the answer
     first = [list(ids)]
     dist.broadcast_object_list(first, src=0)
     shared = torch.tensor([float(dist.get_rank() != 0 and bool(set(first[0]) & set(ids)))])
@@ -1214,7 +1214,7 @@ def the_kits_partition_check(ids):
     return bool(check_partition(everyone, range(20)).duplicates)
 
 
-grade(check_fed_the_same, fed_the_same, on_this_rank_only, against_rank_0, whole_copies, answered_on_rank_0,
+grade(check_fed_the_same, fed_the_same, on_this_rank_only, compared_with_rank_0, whole_copies, answered_on_rank_0,
       by_the_counts, the_kits_partition_check)
 
 
@@ -1222,13 +1222,13 @@ def test_same_samples_check(verdicts):
     v = verdicts
     assert v(check_fed_the_same, fed_the_same).passed
     assert "a rank alone sees no repeat, compare its ids with the other ranks'" in v(check_fed_the_same, on_this_rank_only).message
-    assert "comparing each rank with rank 0 misses a pair of other ranks" in v(check_fed_the_same, against_rank_0).message
+    assert "comparing each rank with rank 0 misses a pair of other ranks" in v(check_fed_the_same, compared_with_rank_0).message
     assert "look for any id on two ranks, not only for whole copies" in v(check_fed_the_same, whole_copies).message
     assert "every rank must get the same answer" in v(check_fed_the_same, answered_on_rank_0).message
     assert "compare the ids, not the counts" in v(check_fed_the_same, by_the_counts).message
     assert "uses the kit's own partition check" in v(check_fed_the_same, the_kits_partition_check).message
     assert all(len(v(check_fed_the_same, fn).message) < 200
-               for fn in (on_this_rank_only, against_rank_0, whole_copies, answered_on_rank_0, by_the_counts))
+               for fn in (on_this_rank_only, compared_with_rank_0, whole_copies, answered_on_rank_0, by_the_counts))
 
 
 # --------------------------------------------------------------------------- build it live
