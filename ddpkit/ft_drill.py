@@ -6,10 +6,11 @@ point, restarts it once the survivor has trained a few steps alone, and reads bo
 summary: the steps the survivor committed (every step number once, in order: nothing committed is
 lost), the attempts it did not commit (their weights unchanged), the steps it trained alone, the time
 the failure cost it, the step and weights the restarted replica healed to, and the final weights of
-both. The replacement for the killed replica is started at the beginning with Python and torch loaded
-and joins when released (``--wait-for``), as a spare machine standing by would: so the drill decides
-when it joins, and a busy machine's seconds of ``import torch`` are not counted in its join time. :func:`run_drills` runs several drills at once (each with its own lighthouse), to share the
-seconds that starting Python and importing torch cost.
+both. Every replica process is forked from one :class:`~ddpkit.ft_zygote.Zygote` that has imported torch
+and torchft once, so the replacement for the killed replica joins as a spare machine standing by with
+Python and torch loaded would, and a busy machine's seconds of ``import torch`` are paid once for all
+the drills, not once per process. :func:`run_drills` runs several drills at once (each with its own
+lighthouse), all forked from one zygote.
 
 The lighthouse's ``heartbeat_timeout_ms`` is how long a silent replica group counts as alive: the
 survivor's next quorum waits that long before it forms without the dead one (torchft's lighthouse
@@ -19,25 +20,37 @@ avoid a split brain: ``src/lighthouse.rs``, ``quorum_compute``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 from ddpkit.ft_replicas import MISSING, available
+from ddpkit.ft_zygote import Child, Zygote
 
 HEARTBEAT_TIMEOUT_MS = 1500  # a replica group silent this long is dead (torchft's default is 5000)
 
 
-def _start(workdir: str, replica: int, generation: int, lighthouse: str, args: list[str]) -> subprocess.Popen:
-    out = open(os.path.join(workdir, f"replica-{replica}.{generation}.out"), "w")  # noqa: SIM115 - closed by the child
-    cmd = [sys.executable, "-m", "ddpkit.ft_replicas", "--replica-id", str(replica), "--lighthouse", lighthouse,
-           "--log", os.path.join(workdir, f"replica-{replica}.jsonl"), *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+def _start(zygote: Zygote, workdir: str, replica: int, generation: int, lighthouse: str, args: list[str]) -> Child:
+    """``python -m ddpkit.ft_replicas --replica-id REPLICA ...``, forked from the zygote."""
+    argv = ["--replica-id", str(replica), "--lighthouse", lighthouse,
+            "--log", os.path.join(workdir, f"replica-{replica}.jsonl"), *args]
+    return zygote.start(argv, os.path.join(workdir, f"replica-{replica}.{generation}.out"))
+
+
+@contextlib.contextmanager
+def _zygote(zygote: Zygote | None, show=None):
+    """The zygote given, or one of our own for the duration."""
+    if zygote is not None:
+        yield zygote
+        return
+    own = Zygote(show=show)
+    try:
+        yield own
+    finally:
+        own.close()
 
 
 def read_log(workdir: str, replica: int) -> list[dict]:
@@ -53,12 +66,23 @@ def _alone(events: list[dict]) -> int:
 
 
 def run_drill(workdir: str, *, die_mode: str = "between", die_at_step: int = 6, steps: int = 14, heal: bool = True,
-              restart: bool = True, alone_steps: int = 4, ignore_commit: bool = False, timeout_s: float = 300.0,
-              show=print, name: str = "") -> dict:
+              restart: bool = True, alone_steps: int = 4, ignore_commit: bool = False, wrapper: str = "manual",
+              timeout_s: float = 300.0, show=print, name: str = "", zygote: Zygote | None = None) -> dict:
     """One drill: replica 1 dies at ``die_at_step`` (``die_mode``), replica 0 goes on; with ``restart`` a new
-    replica 1 starts once replica 0 committed ``alone_steps`` steps alone, and both train to ``steps``."""
+    replica 1 starts once replica 0 committed ``alone_steps`` steps alone, and both train to ``steps``.
+
+    ``die_mode="none"``: nobody dies, both train to ``steps`` (to compare the wrappers without a failure).
+    ``wrapper`` is how every replica averages its gradients (:data:`ddpkit.ft_replicas.WRAPPERS`); with
+    torchft's ``ddp`` wrapper the survivor may crash, which the summary reports (``crashed``) instead of raising."""
     if not available():
         raise RuntimeError(MISSING)
+    with _zygote(zygote, show) as forks:
+        return _drill(forks, workdir, die_mode, die_at_step, steps, heal, restart, alone_steps, ignore_commit,
+                      wrapper, timeout_s, show, name)
+
+
+def _drill(zygote: Zygote, workdir: str, die_mode: str, die_at_step: int, steps: int, heal: bool, restart: bool,
+           alone_steps: int, ignore_commit: bool, wrapper: str, timeout_s: float, show, name: str) -> dict:
     from ddpkit.notebook import kill_tree
     from torchft.coordination import LighthouseServer
 
@@ -70,10 +94,11 @@ def run_drill(workdir: str, *, die_mode: str = "between", die_at_step: int = 6, 
     # without healing a restarted replica never catches up (it stays behind the survivor's step, so it never
     # takes part): then the survivor ends alone and the restarted replica stops after its first quorum
     together = restart and heal
-    ends = ["--steps", str(steps), "--end-replicas", "2" if together else "1", "--run-timeout", str(timeout_s),
-            *(["--ignore-commit"] if ignore_commit else [])]
+    dies = die_mode != "none"
+    ends = ["--steps", str(steps), "--end-replicas", "1" if dies and not together else "2",
+            "--run-timeout", str(timeout_s), "--wrapper", wrapper, *(["--ignore-commit"] if ignore_commit else [])]
     prefix = f"[{name}] " if name else ""
-    procs: list[subprocess.Popen] = []
+    procs: list[Child] = []
     started, restart_launched, said, last_line = time.time(), None, set(), [time.monotonic()]
 
     def say(line: str) -> None:
@@ -81,15 +106,11 @@ def run_drill(workdir: str, *, die_mode: str = "between", die_at_step: int = 6, 
         show(line)
 
     try:
-        procs.append(_start(workdir, 0, 0, lighthouse.address(), ["--gate", gate, *ends]))
-        procs.append(_start(workdir, 1, 0, lighthouse.address(), ["--gate", gate, *ends, "--die-mode", die_mode,
-                                                                 "--die-at-step", str(die_at_step)]))
-        release = os.path.join(workdir, "release-replacement")
-        if restart:  # the replacement starts warm now and joins when released (see the module docstring)
-            procs.append(_start(workdir, 1, 1, lighthouse.address(), [*ends, "--wait-for", release,
-                                                                     *([] if heal else ["--no-heal", "--exit-after-join"])]))
+        procs.append(_start(zygote, workdir, 0, 0, lighthouse.address(), ["--gate", gate, *ends]))
+        procs.append(_start(zygote, workdir, 1, 0, lighthouse.address(), ["--gate", gate, *ends, "--die-mode", die_mode,
+                                                                         "--die-at-step", str(die_at_step)]))
         deadline = time.monotonic() + timeout_s
-        while any(p.poll() is None for p in procs):
+        while any(p.poll() is None for p in procs) or (restart and dies and restart_launched is None):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{prefix}the drill did not end within {timeout_s:.0f} s (logs in {workdir})")
             survivor, other = read_log(workdir, 0), read_log(workdir, 1)
@@ -106,8 +127,13 @@ def run_drill(workdir: str, *, die_mode: str = "between", die_at_step: int = 6, 
             if restart and restart_launched is None and procs[1].poll() is not None and ready:
                 restart_launched = time.time()
                 say(f"{prefix}replica 1's replacement joins ({'it heals from replica 0' if heal else 'healing turned off'})")
-                open(release, "w").close()
-            if time.monotonic() - last_line[0] > 5:  # never silent for long: where replica 0 is
+                procs.append(_start(zygote, workdir, 1, 1, lighthouse.address(),
+                                    [*ends, *([] if heal else ["--no-heal", "--exit-after-join"])]))
+            crashed = next((e for e in survivor if e["event"] == "crashed"), None)
+            if crashed and "crashed" not in said:
+                said.add("crashed")
+                say(f"{prefix}replica 0 crashed at step {crashed['step']}: {crashed['error']} in {crashed['where']}")
+            if time.monotonic() - last_line[0] > 3.5:  # never silent for long: where replica 0 is
                 at = max((e["step"] for e in survivor if e["event"] == "step"), default=None)
                 say(f"{prefix}... replica 0 " + ("starting" if at is None else f"at step {at}"))
             time.sleep(0.05)
@@ -118,13 +144,19 @@ def run_drill(workdir: str, *, die_mode: str = "between", die_at_step: int = 6, 
                 kill_tree(p.pid)
                 p.wait()
         lighthouse.shutdown()
-    if codes[0] != 0 or codes[1] != -9 or (restart and codes[2] != 0):
+    survivor = read_log(workdir, 0)
+    crashed = any(e["event"] == "crashed" for e in survivor)  # a crash it logged: exit code 1 is expected
+    if codes[0] != (1 if crashed else 0) or codes[1] != (-9 if dies else 0) or (restart and codes[2] != 0):
         tails = {f: open(os.path.join(workdir, f)).read()[-600:] for f in sorted(os.listdir(workdir)) if f.endswith(".out")}
         raise RuntimeError(f"{prefix}unexpected exit codes {codes} (replica 0, replica 1, restarted replica 1): {tails}")
-    summary = summarize(read_log(workdir, 0), read_log(workdir, 1), restart_launched)
+    summary = summarize(survivor, read_log(workdir, 1), restart_launched)
     summary["wall_s"] = time.time() - started
-    show(f"{prefix}done in {summary['wall_s']:.1f} s: replica 0 committed steps 0..{summary['final_step'] - 1}, "
-         f"{summary['alone_steps']} of them alone" + (f"; the restarted replica 1 joined at step {summary['joined_step']}" if "joined_step" in summary else ""))
+    if crashed:
+        show(f"{prefix}done in {summary['wall_s']:.1f} s: replica 0 crashed after committing steps 0..{summary['committed_steps'][-1]}")
+    else:
+        show(f"{prefix}done in {summary['wall_s']:.1f} s: replica 0 committed steps 0..{summary['final_step'] - 1}"
+             + (f", {summary['alone_steps']} of them alone" if dies else "")
+             + (f"; the restarted replica 1 joined at step {summary['joined_step']}" if "joined_step" in summary else ""))
     return summary
 
 
@@ -132,24 +164,34 @@ def summarize(survivor: list[dict], other: list[dict], restart_launched: float |
     """What the two logs say, as plain values a notebook can assert on and record."""
     steps = [e for e in survivor if e["event"] == "step"]
     committed = [e for e in steps if e["committed"]]
-    died = next(e for e in other if e["event"] == "dying")
-    before_death = [e for e in steps if e["time"] <= died["time"]]
-    first_alone = next(e for e in steps if e["participants"] == 1 and e["committed"])
-    survivor_sha = {e["step"]: e["sha"] for e in committed}  # the weights after each committed step
+    done = next((e for e in survivor if e["event"] == "done"), None)
     summary = {
-        "died_at_step": died["step"], "died_where": died["where"],
         "committed_steps": [e["step"] for e in committed],
         "no_step_lost": [e["step"] for e in committed] == list(range(len(committed))),
         "retried": [{"step": e["step"], "unchanged": e["sha"] == e["sha_before"]} for e in steps if not e["committed"]],
         "alone_steps": _alone(survivor),
-        "first_alone_step": first_alone["step"],
-        # from the death to the end of the survivor's first step without it: detection, new quorum, the step
-        "survivor_blocked_s": first_alone["time"] - died["time"],
-        "survivor_step_s": _median([b["time"] - a["time"] for a, b in zip(before_death, before_death[1:])]),
-        "survivor_sha": {str(k): v for k, v in survivor_sha.items()},
-        "final_step": next(e["step"] for e in survivor if e["event"] == "done"),
-        "final_sha": {"0": next(e["sha"] for e in survivor if e["event"] == "done")},
+        "losses": {str(e["step"]): e["loss"] for e in committed},  # replica 0's
+        "survivor_sha": {str(e["step"]): e["sha"] for e in committed},  # the weights after each committed step
+        "peer_sha": {str(e["step"]): e["sha"] for e in other if e["event"] == "step" and e["committed"]},
+        "final_step": done["step"] if done else None,
+        "final_sha": {"0": done["sha"]} if done else {},
     }
+    crashed = next((e for e in survivor if e["event"] == "crashed"), None)
+    if crashed:
+        summary["crashed"] = {k: crashed[k] for k in ("step", "error", "message", "where")}
+    others_done = [e for e in other if e["event"] == "done"]
+    if others_done:
+        summary["final_sha"]["1"] = others_done[-1]["sha"]
+    died = next((e for e in other if e["event"] == "dying"), None)
+    if died is None:
+        return summary
+    before_death = [e for e in steps if e["time"] <= died["time"]]
+    summary.update({"died_at_step": died["step"], "died_where": died["where"],
+                    "survivor_step_s": _median([b["time"] - a["time"] for a, b in zip(before_death, before_death[1:])])})
+    first_alone = next((e for e in steps if e["participants"] == 1 and e["committed"]), None)
+    if first_alone is not None:
+        # from the death to the end of the survivor's first step without it: detection, new quorum, the step
+        summary.update({"first_alone_step": first_alone["step"], "survivor_blocked_s": first_alone["time"] - died["time"]})
     joins = [e for e in other if e["event"] == "joined"]
     if restart_launched is not None and len(joins) == 2:
         healed = joins[1]
@@ -158,13 +200,10 @@ def summarize(survivor: list[dict], other: list[dict], restart_launched: float |
             "joined_step": healed["step"],
             "survivor_step_at_join": at_join + 1,
             # healed: the weights the survivor had when the restarted replica joined, bit for bit
-            "heal_bitwise": healed["sha"] == survivor_sha[at_join],
+            "heal_bitwise": healed["sha"] == summary["survivor_sha"][str(at_join)],
             "restart_to_join_s": healed["time"] - restart_launched,
             "back_after_s": healed["time"] - died["time"],
         })
-        done = [e for e in other if e["event"] == "done"]
-        if done:
-            summary["final_sha"]["1"] = done[-1]["sha"]
     return summary
 
 
@@ -175,7 +214,9 @@ def _median(values: list[float]) -> float:
 
 def run_drills(workdir: str, drills: dict[str, dict], show=print) -> dict[str, dict]:
     """Several drills at once, each in its own folder with its own lighthouse; their summaries by name."""
-    with ThreadPoolExecutor(max_workers=len(drills)) as pool:
-        futures = {name: pool.submit(run_drill, os.path.join(workdir, name), show=show, name=name, **kwargs)
-                   for name, kwargs in drills.items()}
+    if not available():
+        raise RuntimeError(MISSING)
+    with _zygote(None, show) as zygote, ThreadPoolExecutor(max_workers=len(drills)) as pool:
+        futures = {name: pool.submit(run_drill, os.path.join(workdir, name), show=show, name=name, zygote=zygote,
+                                     **kwargs) for name, kwargs in drills.items()}
         return {name: future.result() for name, future in futures.items()}

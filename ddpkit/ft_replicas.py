@@ -15,10 +15,28 @@ before each step: the replica groups that are alive and asking. Each group's ``t
 
 This file is that loop for one replica group of one process, run as
 ``python -m ddpkit.ft_replicas --replica-id R --lighthouse ADDR --log FILE ...``; it writes one JSON
-line per event (joined, step, dying, done) to ``FILE``. :mod:`ddpkit.ft_drill` starts, kills and
+line per event (joined, step, dying, crashed, done) to ``FILE``. :mod:`ddpkit.ft_drill` starts, kills and
 restarts these processes and reads the logs. The fault is injected by the replica itself, at an exact
 point: after committing a step (``--die-mode between``) or after the first of its gradients' all-reduces
-of a step and before the second (``--die-mode allreduce``), with SIGKILL, as a lost machine would.
+of a step and before the second (``--die-mode allreduce``), with SIGKILL, as a lost machine would. The
+dying replica counts its calls of ``manager.allreduce`` to find that point; the survivor runs torchft as is.
+
+How the gradients are averaged (``--wrapper``), three ways torchft 0.2.0 offers, only the first of which
+survives a peer dying in the middle of a step:
+
+* ``manual`` (the lesson's): ``manager.allreduce(param.grad).wait()`` for each gradient, by hand. A failed
+  all-reduce is recorded by the manager (``_ManagedWork.wait`` catches the error and returns False),
+  ``should_commit()`` says no, and the step is run again;
+* ``ddp``: ``torchft.ddp.DistributedDataParallel``, torch's DDP with a comm hook that calls
+  ``manager.allreduce(bucket.buffer())``, ``wait()``, then ``assert fut._fut`` on the work's future. After a
+  failed all-reduce that ``wait()`` returned early, before it built the future chain, so the assertion
+  fails inside ``backward()`` and the *survivor* crashes: the one process the fault tolerance was for.
+  (Buckets are one parameter each here, ``bucket_cap_mb`` tiny, so a death can fall between two of them.);
+* ``pure``: ``torchft.ddp.PureDistributedDataParallel``, a gradient hook that calls ``manager.allreduce``
+  and never waits. The averaging (a division by the participants) is a callback torchft runs only on
+  ``wait()``, so it never runs: each step applies the *sum* of the replicas' gradients, not their mean,
+  and the optimizer may even read a gradient the all-reduce is still writing. It trains differently from
+  the manual loop from the first step, with no failure at all.
 
 Source: torchft 0.2.0, ``torchft/manager.py`` (``start_quorum``, ``allreduce``, ``should_commit``) and
 ``torchft/optim.py`` (``OptimizerWrapper`` calls ``start_quorum`` in ``zero_grad`` and
@@ -41,6 +59,8 @@ from torch import nn
 
 MISSING = "torchft is not installed: pip install 'ddpkit[ft]' (per-replica fault tolerance needs it)"
 WIDTH, CLASSES, BATCH = 16, 4, 32
+WRAPPERS = ("manual", "ddp", "pure")
+BUCKET_CAP_MB = 1e-6  # torchft's DDP wrapper: one bucket per parameter, so there are several all-reduces a step
 
 
 def available() -> bool:
@@ -106,12 +126,6 @@ def wait_for_gate(gate_dir: str, replica: int, replicas: int, timeout_s: float) 
 def train(args: argparse.Namespace) -> None:
     from torchft import Manager, ProcessGroupGloo
 
-    if args.wait_for:  # a spare started warm: Python and torch are loaded, it joins when told
-        deadline = time.monotonic() + args.run_timeout
-        while not os.path.exists(args.wait_for):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"replica {args.replica_id}: not released within {args.run_timeout:.0f} s")
-            time.sleep(0.02)
     log = EventLog(args.log, args.replica_id)
     model = make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)  # momentum: state a heal must carry
@@ -131,6 +145,8 @@ def train(args: argparse.Namespace) -> None:
                       lighthouse_addr=args.lighthouse, replica_id=f"replica_{args.replica_id}", hostname="localhost")
     if args.gate:
         wait_for_gate(args.gate, args.replica_id, args.replicas, args.timeout * 4)
+    calls = inject_death(manager, args, log)
+    net = wrap(model, manager, args.wrapper)
     deadline, first, together = time.monotonic() + args.run_timeout, True, 0
     try:
         while True:
@@ -145,13 +161,17 @@ def train(args: argparse.Namespace) -> None:
                     break
             before = param_sha256(model)
             optimizer.zero_grad()
+            calls[0] = 0
             inputs, targets = batch(step, manager.participating_rank() or 0)
-            loss = nn.functional.cross_entropy(model(inputs), targets)
-            loss.backward()
-            for index, param in enumerate(model.parameters()):
-                if args.die_mode == "allreduce" and step == args.die_at_step and index == 1:
-                    die(log, step, "between two gradients' all-reduces")
-                manager.allreduce(param.grad).wait()  # one at a time: the failure point is exact
+            loss = nn.functional.cross_entropy(net(inputs), targets)
+            try:
+                loss.backward()  # the ddp and pure wrappers all-reduce from inside backward
+            except Exception as exc:
+                log.write("crashed", step=step, error=type(exc).__name__, message=str(exc)[:300], where=where(exc))
+                raise
+            if args.wrapper == "manual":
+                for param in model.parameters():
+                    manager.allreduce(param.grad).wait()  # one at a time: the failure point is exact
             committed = manager.should_commit()
             if committed or args.ignore_commit:
                 optimizer.step()
@@ -169,8 +189,52 @@ def train(args: argparse.Namespace) -> None:
         manager.shutdown(wait=False)
 
 
-def die(log: EventLog, step: int, where: str) -> None:
-    log.write("dying", step=step, where=where)
+def wrap(model: nn.Module, manager, wrapper: str) -> nn.Module:
+    """The module the loop calls forward on: the model itself (``manual``) or one of torchft's DDP wrappers."""
+    if wrapper == "ddp":
+        from torchft.ddp import DistributedDataParallel
+
+        return DistributedDataParallel(manager, model, bucket_cap_mb=BUCKET_CAP_MB)
+    if wrapper == "pure":
+        from torchft.ddp import PureDistributedDataParallel
+
+        return PureDistributedDataParallel(manager, model)
+    return model
+
+
+def inject_death(manager, args: argparse.Namespace, log: EventLog) -> list[int]:
+    """With ``--die-mode allreduce``: SIGKILL this process at ``--die-at-step`` when its second
+    ``manager.allreduce`` of the step is called, whichever wrapper calls it. Returns the step's call counter
+    (the loop resets it). Only the dying replica's manager is patched; a survivor's runs torchft's code as is."""
+    calls = [0]
+    if args.die_mode != "allreduce":
+        return calls
+    allreduce = manager.allreduce
+
+    def counted(tensor, *rest, **kwargs):
+        if manager.current_step() == args.die_at_step and calls[0] == 1:
+            die(log, args.die_at_step, "between two gradients' all-reduces")
+        calls[0] += 1
+        return allreduce(tensor, *rest, **kwargs)
+
+    manager.allreduce = counted  # the DDP wrapper's comm hook calls manager.allreduce too: it finds this one
+    return calls
+
+
+def where(exc: BaseException) -> str:
+    """``file:line (function)`` of the innermost frame an exception was raised in: where a crash happened."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    if tb is None:
+        return "?"
+    code = tb.tb_frame.f_code
+    parts = code.co_filename.replace(os.sep, "/").split("/")
+    return f"{'/'.join(parts[-2:])}:{tb.tb_lineno} ({code.co_name})"
+
+
+def die(log: EventLog, step: int, point: str) -> None:
+    log.write("dying", step=step, where=point)
     os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -184,9 +248,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=20, help="stop once this step is committed with every replica back")
     p.add_argument("--die-at-step", type=int, default=-1)
     p.add_argument("--die-mode", choices=("none", "between", "allreduce"), default="none")
+    p.add_argument("--wrapper", choices=WRAPPERS, default="manual",
+                   help="how gradients are averaged: by hand with wait() (works), or torchft's DDP wrappers")
     p.add_argument("--no-heal", action="store_true", help="never receive a live peer's state (the negative control)")
     p.add_argument("--ignore-commit", action="store_true", help="step even when should_commit() says no (the negative control)")
-    p.add_argument("--wait-for", default="", help="start warm: wait until this file exists, then join")
     p.add_argument("--exit-after-join", action="store_true", help="stop after the first quorum (to inspect a join)")
     p.add_argument("--gate", default="", help="folder where the first replicas wait for each other")
     p.add_argument("--timeout", type=float, default=5.0, help="seconds for a collective, an RPC, a heal")

@@ -7,7 +7,11 @@
   **measured** by a DDP communication hook that timestamps each bucket's all-reduce from launch to
   completion. The popular alternative, "comm = total - (data + forward + backward + optimizer)",
   reads about zero under DDP, because DDP overlaps the all-reduce with backward and waits for it
-  *inside* ``loss.backward()``: the remainder has nowhere left to hide it.
+  *inside* ``loss.backward()``: the remainder has nowhere left to hide it. The hook is Python, called
+  by DDP's C++ reducer for each bucket, with a callback on gloo's thread that contends for the GIL:
+  about 4% of a small step here (``benchmarks/trainer_overhead.py``). So the trainer measures it only
+  when something reads it per step (``--metrics-dir``); otherwise DDP's built-in C++ all-reduce hook
+  does the same arithmetic unmeasured (:meth:`CommTimer.register` with ``measure=False``).
 * **Fingerprints** that make correctness checkable: ``param_sha256`` (bytes of every tensor of the
   state dict, sorted by key) and the running ``data_sha256`` of the global sample ids of each step.
 """
@@ -44,7 +48,8 @@ class CommTimer:
     ``register(ddp_model)`` installs it. Per step it reports ``calls`` (buckets all-reduced), ``bytes``
     and ``seconds``: the length of the union of [launch, completion] intervals of all buckets, i.e.
     the wall time during which at least one all-reduce was in flight (buckets overlap each other and
-    backward, so summing them would double-count).
+    backward, so summing them would double-count). ``register(ddp_model, measure=False)`` installs
+    DDP's built-in C++ hook instead and measures nothing (``measured`` is False, ``seconds`` None).
 
     How completion is observed depends on the backend. gloo completes a bucket's future when the
     all-reduce has finished, so a host clock read in a ``then`` callback is right. NCCL completes it as
@@ -55,6 +60,7 @@ class CommTimer:
 
     def __init__(self, device: torch.device | None = None) -> None:
         self.cuda = device is not None and device.type == "cuda"
+        self.measured = True  # False once register(..., measure=False) left the all-reduce to DDP's C++ hook
         self._lock = threading.Lock()  # completions arrive on the backend's threads
         self.reset()
 
@@ -65,7 +71,18 @@ class CommTimer:
                 self._origin = torch.cuda.Event(enable_timing=True)
                 self._origin.record()
 
-    def register(self, ddp_model: torch.nn.parallel.DistributedDataParallel) -> "CommTimer":
+    def register(self, ddp_model: torch.nn.parallel.DistributedDataParallel, measure: bool = True) -> "CommTimer":
+        """Install the timing hook on ``ddp_model``; with ``measure=False``, DDP's built-in ``ALLREDUCE`` hook.
+
+        The built-in hook (C++, ``AllReduceCommHook`` in ``torch/csrc/distributed/c10d/default_comm_hooks.cpp``)
+        divides the bucket by the group size and all-reduces it, exactly as :meth:`_hook` does, so the two
+        give bitwise the same weights. DDP with no hook at all would not: its reducer multiplies each
+        gradient by 1/size as it copies it into the bucket (``mul_out``), which rounds differently from a
+        division when the size is not a power of two (``tests/test_comm_timing.py`` shows it on 3 ranks)."""
+        if not measure:
+            ddp_model._register_builtin_comm_hook(dist.BuiltinCommHookType.ALLREDUCE)
+            self.measured = False
+            return self
         # the hook's state is DDP's own group: with tensor or pipeline parallelism that is the dp group, not the world
         ddp_model.register_comm_hook(ddp_model.process_group, self._hook)
         return self
@@ -111,7 +128,9 @@ class CommTimer:
                 self._intervals.append((started, ended))
 
     @property
-    def seconds(self) -> float:
+    def seconds(self) -> float | None:
+        if not self.measured:
+            return None
         with self._lock:
             intervals = list(self._intervals)
         if self.cuda:  # event pairs -> seconds after the origin recorded at reset()
@@ -153,8 +172,9 @@ class MetricsLogger:
             if not self._header_done:
                 print(f"{'step':>6} {'loss':>9} {'lr':>9} {'samples/s':>10} {'step ms':>8} {'comm ms':>8}")
                 self._header_done = True
+            comm = fields.get("comm_s")  # absent when not measured (no --metrics-dir): shown as "-"
             print(f"{step:>6} {fields['loss']:>9.4f} {fields['lr']:>9.2e} {fields['samples_per_s']:>10.0f} "
-                  f"{fields['step_time_s'] * 1e3:>8.2f} {fields['comm_s'] * 1e3:>8.2f}", flush=True)
+                  f"{fields['step_time_s'] * 1e3:>8.2f} {'-' if comm is None else f'{comm * 1e3:.2f}':>8}", flush=True)
 
     def close(self) -> None:
         if self._file is not None:

@@ -91,7 +91,7 @@ class Trainer:
         self.step, self.consumed, self.data_sha256 = 0, 0, metrics.DATA_SHA256_START
         self.applied_steps = 0  # steps whose update is in the state (the loss guard skips and undoes some)
         self._unhashed_ids: list[list[int]] = []  # this rank's ids of the steps not yet in data_sha256
-        self.resumed_from, self.losses, self.phase_totals = 0, [], dict.fromkeys(metrics.PHASES, 0.0)
+        self.resumed_from, self.losses, self.phase_totals = 0, [], {}
         self.timer = PhaseTimer(ctx.device)
         self.log = metrics.MetricsLogger(ctx, cfg.metrics_dir, cfg.log_every)
         self.log.event("started", 0, time=wall_started, attempt=attempt)  # the process is up: recovery.py times from it
@@ -105,6 +105,8 @@ class Trainer:
             self.hooks += [CheckpointEvery(cfg.checkpoint_every, cfg.steps, cfg.checkpoint_every_s), self.preemption]
         self._batches = None
         self._probe = None  # built on first use: a run that never saves or restores never loads it
+        # comm_s costs a Python hook on every bucket: measured only when it is written per step (metrics.py)
+        self.strategy.measure_comm = bool(cfg.metrics_dir)
         self.comm = self.strategy.comm_timer(self.model)
 
     # ------------------------------------------------------------------ data
@@ -186,15 +188,16 @@ class Trainer:
             with self.timer("sync_s"):
                 self.fold_data_hash()
         phases = {p: self.timer.seconds.get(p, 0.0) for p in metrics.PHASES if p != "comm_s"}
-        phases["comm_s"] = self.comm.seconds
+        if self.comm.measured:
+            phases["comm_s"] = self.comm.seconds
         result = StepResult(self.step, total_loss / cfg.global_batch_size, loss_sum / len(ids), lr, ids,
                             phases, self.comm.calls, self.comm.bytes)
         for hook in self.hooks:
             hook.after_step(self, result)
         result.step_time_s = time.perf_counter() - started
         self.losses.append({"step": result.step, "loss": result.loss})
-        for p in metrics.PHASES:
-            self.phase_totals[p] += result.phases[p]
+        for p, seconds in result.phases.items():
+            self.phase_totals[p] = self.phase_totals.get(p, 0.0) + seconds
         self.log.step(result.step, last=result.step == cfg.steps, loss=result.loss, local_loss=result.local_loss,
                       lr=result.lr, step_time_s=result.step_time_s, samples_per_s=cfg.global_batch_size / result.step_time_s,
                       comm_calls=result.comm_calls, comm_bytes=result.comm_bytes, checkpoint_s=result.checkpoint_s,

@@ -1169,6 +1169,68 @@ def test_flight_culprit_check(verdicts):
     assert all(len(v(check_culprit, fn).message) < 200 for fn in (against_rank_0, the_first_entry))
 
 
+# --------------------------------------------------------------------------- ranks fed the same samples (lesson 20)
+
+from ddpkit.exercises.same_samples import check_fed_the_same  # noqa: E402
+
+fed_the_same = load("20_same_samples.ipynb", "fed_the_same")
+
+
+def on_this_rank_only(ids):  # no communication: a rank alone sees no repeat across ranks
+    return len(set(ids)) < len(ids)
+
+
+def compared_with_rank_0(ids):  # every rank compares its ids with rank 0's, and all agree on the answer
+    first = [list(ids)]
+    dist.broadcast_object_list(first, src=0)
+    shared = torch.tensor([float(dist.get_rank() != 0 and bool(set(first[0]) & set(ids)))])
+    dist.all_reduce(shared, op=dist.ReduceOp.MAX)
+    return bool(shared.item())
+
+
+def whole_copies(ids):  # looks for two ranks fed the very same ids, not for one shared id
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, sorted(ids))
+    return len({tuple(x) for x in everyone}) < len(everyone)
+
+
+def answered_on_rank_0(ids):  # gathers to rank 0 only: the other ranks never learn the answer
+    everyone = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(list(ids), everyone, dst=0)
+    return dist.get_rank() == 0 and len({i for x in everyone for i in x}) < sum(len(x) for x in everyone)
+
+
+def by_the_counts(ids):  # more ids than the dataset holds means repeats; uneven shares break it
+    total = torch.tensor([float(len(ids))])
+    dist.all_reduce(total)
+    return bool(total.item() > 20)
+
+
+def the_kits_partition_check(ids):
+    from ddpkit.data import check_partition
+
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, list(ids))
+    return bool(check_partition(everyone, range(20)).duplicates)
+
+
+grade(check_fed_the_same, fed_the_same, on_this_rank_only, compared_with_rank_0, whole_copies, answered_on_rank_0,
+      by_the_counts, the_kits_partition_check)
+
+
+def test_same_samples_check(verdicts):
+    v = verdicts
+    assert v(check_fed_the_same, fed_the_same).passed
+    assert "a rank alone sees no repeat, compare its ids with the other ranks'" in v(check_fed_the_same, on_this_rank_only).message
+    assert "comparing each rank with rank 0 misses a pair of other ranks" in v(check_fed_the_same, compared_with_rank_0).message
+    assert "look for any id on two ranks, not only for whole copies" in v(check_fed_the_same, whole_copies).message
+    assert "every rank must get the same answer" in v(check_fed_the_same, answered_on_rank_0).message
+    assert "compare the ids, not the counts" in v(check_fed_the_same, by_the_counts).message
+    assert "uses the kit's own partition check" in v(check_fed_the_same, the_kits_partition_check).message
+    assert all(len(v(check_fed_the_same, fn).message) < 200
+               for fn in (on_this_rank_only, compared_with_rank_0, whole_copies, answered_on_rank_0, by_the_counts))
+
+
 # --------------------------------------------------------------------------- build it live
 
 (BuildConfig, build_model_and_optimizer, broadcast_solution, run_solution) = load(

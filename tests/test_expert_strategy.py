@@ -80,12 +80,13 @@ def ep_runs(tmp_path_factory):
                      "--checkpoint-every", "3", "--summary-json", str(path)]) == 0
     out = {"whole": json.loads(path.read_text()),
            "ddp": run(4, checkpoint_dir=str(folder / "d"), checkpoint_every=3, **MOE)}
-    for source, copy in (("a", "b"), ("a", "c"), ("d", "e")):  # an uninterrupted run's step 3, its step 6 taken away
+    for source, copy in (("a", "b"), ("a", "c"), ("d", "e"), ("d", "f")):  # an uninterrupted run's step 3, its step 6 taken away
         shutil.copytree(folder / source, folder / copy)
         shutil.rmtree(checkpoint.step_dir(folder / copy, 6))
     out["resumed"] = run(4, ep=2, checkpoint_dir=str(folder / "b"), resume=True, **MOE)
     out["as_ddp"] = run(4, checkpoint_dir=str(folder / "c"), resume=True, **MOE)
     out["from_ddp"] = run(4, ep=2, checkpoint_dir=str(folder / "e"), resume=True, **MOE)
+    out["ddp_resumed"] = run(4, checkpoint_dir=str(folder / "f"), resume=True, **MOE)  # --experts 4, ep 1 as saved
     out["control"] = launch(_trained, TrainConfig(world_size=4, ep=2, **MOE), world_size=4, output="none")
     return out
 
@@ -116,6 +117,17 @@ def test_ep_resumes_exactly_and_continues_without_ep_and_back(ep_runs):
     assert max_loss_diff(back, ep_runs["ddp"], skip=3) <= CROSS_TOL
 
 
+def test_experts_without_ep_resume_exactly_on_the_same_layout(ep_runs):
+    ddp, resumed = ep_runs["ddp"], ep_runs["ddp_resumed"]
+    assert (resumed["resumed_from_step"], resumed["ep"], resumed["experts"]) == (3, 1, 4)
+    assert (resumed["param_sha256"], resumed["optimizer_sha256"], resumed["data_sha256"]) == \
+        (ddp["param_sha256"], ddp["optimizer_sha256"], ddp["data_sha256"])
+    assert [x["loss"] for x in resumed["losses"]] == [x["loss"] for x in ddp["losses"][3:]]
+    # control: equal hashes are a strict test here: the ep 2 run resumed from the same step 3 adds its
+    # reductions in another order, lands within 1e-5 and not on the same bits
+    assert resumed["param_sha256"] != ep_runs["from_ddp"]["param_sha256"]
+
+
 def test_the_summary_counts_tokens_per_expert_and_drops(ep_runs):
     whole, ddp = ep_runs["whole"], ep_runs["ddp"]
     cfg = TrainConfig(world_size=4, **MOE)
@@ -139,15 +151,23 @@ def test_the_summary_counts_tokens_per_expert_and_drops(ep_runs):
     (("--world-size", "4", "--experts", "4", "--ep", "2", "--pp", "2", "--model", "gpt"), "without --tp, --pp and --cp"),
     (("--world-size", "4", "--experts", "4", "--ep", "2", "--strategy", "fsdp2", "--model", "gpt"), "--strategy ddp"),
     (("--world-size", "4", "--experts", "4", "--top-k", "5", "--model", "gpt"), "top-k 5 must be between 1 and"),
+    (("--world-size", "4", "--experts", "4", "--capacity-factor", "0", "--model", "gpt"), "capacity-factor must be in (0, 64]"),
+    (("--world-size", "4", "--experts", "4", "--capacity-factor", "65", "--model", "gpt"), "capacity-factor must be in (0, 64]"),
     (("--world-size", "4", "--experts", "4", "--model", "mlp"), "use --model gpt"),
     (("--world-size", "4", "--experts", "4", "--amp", "fp16", "--model", "gpt"), "use --amp bf16 or off"),
     (("--world-size", "4", "--experts", "4", "--activation-checkpointing", "--model", "gpt"), "drop --activation-checkpointing"),
-], ids=["experts", "world", "mlp", "no-experts", "tp", "cp", "pp", "fsdp2", "top-k", "moe-mlp", "fp16", "recompute"])
+], ids=["experts", "world", "mlp", "no-experts", "tp", "cp", "pp", "fsdp2", "top-k", "capacity-0", "capacity-65", "moe-mlp",
+        "fp16", "recompute"])
 def test_bad_ep_layouts_are_refused_in_one_line_before_any_rank_starts(capsys, args, words):
     assert cli.main(["train", *args]) == 2
     out = capsys.readouterr()
     assert words in out.err and len(out.err.strip().splitlines()) == 1, out.err
     assert "rank" not in out.out
+
+
+def test_a_capacity_factor_in_range_is_accepted():  # control for the refusals above
+    for factor in (0.5, 1.0, 64.0):
+        assert TrainConfig(world_size=4, capacity_factor=factor, **MOE).capacity_factor == factor
 
 
 def test_a_sharded_checkpoint_of_expert_slices_is_refused(tmp_path):

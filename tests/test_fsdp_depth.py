@@ -1,11 +1,12 @@
-"""FSDP2 in depth on real gloo ranks: ZeRO-3 vs ZeRO-2 gathers and bytes, mixed-precision dtypes, HSDP vs DDP."""
+"""FSDP2 in depth on real gloo ranks: ZeRO-3 vs ZeRO-2 gathers and bytes, mixed-precision dtypes, HSDP vs DDP,
+prefetch's memory and the overlap it buys (from profiler traces)."""
 
 import pytest
 import torch
 
 from ddpkit.errors import UserError
 from ddpkit.launch import launch
-from ddpkit.parallel import fsdp, fsdp_depth
+from ddpkit.parallel import fsdp, fsdp_depth, fsdp_prefetch
 
 NEEDS_FSDP2 = pytest.mark.skipif(not fsdp.cpu_supported(), reason="FSDP2 runs on the CPU from torch 2.7")
 
@@ -133,7 +134,7 @@ def test_old_torch_is_refused_before_ranks_start():
 
 
 def _prefetch(ctx):
-    return [fsdp_depth.run_prefetch(ctx, prefetch=k) for k in (0, 1, 2)]
+    return [fsdp_prefetch.run_prefetch(ctx, prefetch=k) for k in (0, 1, 2)]
 
 
 @NEEDS_FSDP2
@@ -145,3 +146,53 @@ def test_forward_prefetch_gathers_ahead_and_holds_more_units():
         assert run["max_alive_bytes"] == run["max_units_alive"] * run["unit_bytes"]
     assert runs[1]["order"][:3] == ["all_gather", "all_gather", "unit_start0"]
     assert runs[0]["order"][:3] == ["all_gather", "unit_start0", "unit_end0"]  # control: no prefetch, one at a time
+    # backward: FSDP2 prefetches one unit by default, so its defaults already hold two; prefetch 2 holds three
+    assert [run["max_units_alive_backward"] for run in runs] == [2, 2, 3]
+    assert all(run["max_alive_bytes_backward"] == run["max_units_alive_backward"] * run["unit_bytes"] for run in runs)
+    assert runs[2]["backward_order"][:4] == ["all_gather"] * 3 + ["reduce_scatter"]
+    assert runs[0]["backward_order"][:3] == ["all_gather", "all_gather", "reduce_scatter"]  # control: one ahead, not two
+
+
+@NEEDS_FSDP2
+def test_prefetch_hides_all_gathers_behind_compute_in_a_profiler_trace(tmp_path):
+    result = fsdp_prefetch.measure_overlap(str(tmp_path), say=lambda _: None)
+    assert result["verdict"] == "above", result["values"]
+    control, treated = result["median"]["control"], result["median"]["treated"]
+    assert control["all_gather"] < 0.05 < treated["all_gather"]  # a thread blocked in gloo computes nothing
+    assert treated["forward_all_gather"] > 0 and treated["backward_all_gather"] > 0  # prefetched both ways
+    ranks = result["last"]
+    assert all(row[1]["lanes"]["all_gather"] and row[1]["lanes"]["reduce_scatter"] for r in ranks for row in r["pairs"])
+    assert (tmp_path / "fsdp_prefetch.trace.json").exists()
+
+
+@NEEDS_FSDP2
+def test_overlap_negative_control_blocking_against_itself_is_never_above(tmp_path):
+    result = fsdp_prefetch.measure_overlap(str(tmp_path), modes=("blocking", "blocking"), max_rounds=1, say=lambda _: None)
+    assert result["verdict"] == "unclear" and max(abs(v) for v in result["values"]) < 0.05
+
+
+def test_an_unknown_overlap_mode_is_refused():
+    with pytest.raises(ValueError, match="blocking, prefetch"):
+        fsdp_prefetch.build("eager", 8, 2)
+
+
+def test_compute_is_the_training_threads_operators_not_gloos_copies(tmp_path):
+    """gloo's worker threads run aten:: copies of their own; counted as compute they would fake an overlap."""
+    import json
+
+    from ddpkit.debug import timeline
+
+    events = [{"ph": "X", "name": "c10d::_allgather_base_", "tid": 1, "ts": 0, "dur": 5},  # the training thread issues it
+              {"ph": "X", "name": "aten::mm", "tid": 1, "ts": 100, "dur": 50},  # ...computes after the gather
+              {"ph": "X", "name": "gloo:all_gather", "tid": 2, "ts": 10, "dur": 80},  # gloo's thread moves the bytes
+              {"ph": "X", "name": "aten::copy_", "tid": 2, "ts": 20, "dur": 30},  # ...and copies them
+              {"ph": "X", "name": "ddpkit.step 0 0", "tid": 1, "ts": 0, "dur": 160}]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events, "baseTimeNanoseconds": 0}))
+    spans = timeline.thread_intervals(str(path), ("gloo:all_gather",), marks="ddpkit.")
+    assert spans["compute"] == [(100e-6, 150e-6)] and spans["marks"] == [("ddpkit.step 0 0", 0.0, 160e-6)]
+    assert timeline.overlapped_fraction(spans["compute"], spans["comm"]["gloo:all_gather"]) == 0.0
+    # control: every thread's operators as compute (timeline.intervals without DDP's allreduce_) finds an overlap
+    every = timeline.intervals(str(path))
+    assert timeline.overlapped_fraction(every["compute"], spans["comm"]["gloo:all_gather"]) > 0.3
+    assert timeline.clip([(0.0, 1.0), (2.0, 3.0)], 0.5, 2.5) == [(0.5, 1.0), (2.0, 2.5)]

@@ -363,6 +363,8 @@ def check_19(records):
     assert 0.2 < crossing["tp_share_across"] < 0.3
     validation = records["validation"]
     assert validation["n"] >= 7 and validation["rho"] >= validation["threshold"] > validation["shuffled_median"]
+    assert {"cp 2", "4 experts, ep 2"} <= set(validation["layouts"]) and min(validation["new_terms"].values()) > 0
+    assert ("hsdp 2 x 2" in validation["layouts"]) == fsdp.cpu_supported()
 
 
 def check_17(records):
@@ -438,13 +440,16 @@ def check_21(records):
     assert elastic["global_batches"] == [16] and elastic["same_data"] and elastic["lost_steps"] >= 1
     assert elastic["grow_lost_steps"] == 0 and elastic["grow_saved_step"] == elastic["grow_resumed_from"]
     if not records["torchft"]:  # the optional extra is missing: the torchft cells said so and skipped
-        assert "replicas" not in records and "mid_allreduce" not in records
+        assert "replicas" not in records and "mid_allreduce" not in records and "wrappers" not in records
         return
     replicas, mid = records["replicas"], records["mid_allreduce"]
     assert replicas["no_step_lost"] and replicas["heal_bitwise"] and replicas["final_equal"]
     assert replicas["joined_step"] == replicas["survivor_step_at_join"] > replicas["first_alone_step"]
     assert len(mid["retried"]) == 1 and mid["retried"][0]["unchanged"] and mid["no_step_lost"] and mid["same"]
     assert replicas["survivor_blocked_s"] < elastic["back_s"]
+    wrappers = records["wrappers"]  # torchft's DDP wrappers: what does not work
+    assert wrappers["ddp_error"] == "AssertionError" and wrappers["ddp_where"].startswith("torchft/ddp.py:")
+    assert wrappers["ddp_same_before"] and wrappers["pure_differs"] >= 1
 
 
 def check_10b(records):
@@ -467,6 +472,11 @@ def check_10b(records):
     assert hsdp["placements"] == ["R", "S(0)"] and hsdp["per_step"]["backward_all_reduce"] == hsdp["units"]
     assert hsdp["gap"] < 1e-5 < hsdp["alone_gap"]
     assert [r["max_units_alive"] for r in records["prefetch"]] == [1, 2, 3]
+    assert [r["max_units_alive_backward"] for r in records["prefetch"]] == [2, 2, 3]  # one prefetched by default
+    overlap = records["overlap"]  # prefetch vs blocking all-gathers, from profiler traces
+    assert overlap["median"]["control"]["all_gather"] < 0.05 and overlap["verdict"] in ("above", "unclear")
+    if overlap["verdict"] == "above":
+        assert overlap["median"]["treated"]["all_gather"] > overlap["median"]["control"]["all_gather"]
     offload = records["offload"]
     assert offload["same_losses"] and offload["state_off_device"] == 4 * offload["shard_bytes"]
     tp = records["tp_fsdp"]
@@ -474,20 +484,26 @@ def check_10b(records):
 
 
 def check_22(records):
+    if "ray" in records:  # run_ray = True: Ray's workers against the kit's DDP (§2's, or its own run without DeepSpeed)
+        assert records["ray"]["equal"] and records["ray"]["sha_equal"]
     if "stages" not in records:  # ddpkit[deepspeed] absent: the notebook said so in one line and skipped
         from ddpkit.engines import missing
 
-        assert missing("deepspeed") and set(records) <= {"seed_table"}
+        assert missing("deepspeed") and set(records) <= {"seed_table", "ray"}
         return
     assert records["seed_config"]["batch_error"] and records["seed_config"]["shm_left"] == []
+    if "seed_config_fixed" in records:  # DeepSpeedCPUAdam compiled (.ci/extras): the seed's config, its batch fixed
+        fixed = records["seed_config_fixed"]
+        assert fixed["finite"] and fixed["weights_dtype"] == "bfloat16" and fixed["optimizer"] == "DeepSpeedCPUAdam"
+        assert fixed["offload"] == "cpu" and fixed["clipping"] == 1.0 and fixed["stage"] == 3
+        assert fixed["lrs"][:2] == [0.0, 0.0] and fixed["lrs"] == sorted(fixed["lrs"]) and fixed["lrs"][-1] < 1e-4 / 4
     assert all(r["equal_losses"] and r["equal_weights"] for r in records["stages"].values())
     clip = records["clipping"]
     assert clip["default"] == 1.0 and clip["first_gap"] == 0.0 < clip["max_gap"]
     b = records["bytes"]
     assert b["3"]["params measured"] < b["1"]["params measured"] and b["1"]["optimizer measured"] == b["2"]["optimizer measured"]
     assert records["collectives"]["1"]["all_gather_into_tensor"] == 1 and records["collectives"]["3"]["reduce_scatter_tensor"] >= 1
-    if "ray" in records:  # run_ray = True
-        assert records["ray"]["equal"] and records["ray"]["sha_equal"]
+    if "ray" in records:
         assert all(records["seed_table"]["rows"].values())
     else:
         assert sum(not v for v in records["seed_table"]["rows"].values()) == 2  # the two rows only Ray proves

@@ -103,3 +103,60 @@ def test_pp_schedules_the_trainer_cannot_run_are_refused_in_the_config():
         TrainConfig(model="gpt", pp=2, pp_schedule="zbv")
     with pytest.raises(ValueError, match="use --pp >= 2"):  # a schedule with no pipeline to schedule
         TrainConfig(model="gpt", pp_schedule="zero-bubble")
+
+
+def _orders_run(ctx, cfg) -> list:
+    """Train with ``cfg`` and return each step's order of actions on this rank, as the executor got them."""
+    from ddpkit.parallel import pipeline_strategy
+
+    seen, generate = [], pipeline_strategy.generate
+
+    def spy(name, p, m, v):
+        orders = generate(name, p, m, v)
+        seen.append([[str(a) for a in order] for order in orders])
+        return orders
+
+    pipeline_strategy.generate = spy  # this rank's process only: launch starts fresh ones
+    trainer = train.Trainer(ctx, cfg)
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
+    return [orders[trainer.ctx.pp_rank] for orders in seen]  # the trainer's layout places the stages
+
+
+def _most_in_flight(order: list[str]) -> int:
+    """Micro-batches whose forward ran and whose backward has not: the activations a stage holds."""
+    held = most = 0
+    for action in order:
+        held += {"F": 1, "B": -1}.get(action[0], 0)
+        most = max(most, held)
+    return most
+
+
+def test_gpipe_in_the_trainer_runs_every_forward_first_and_holds_every_micro_batch():
+    cfgs = {name: TrainConfig(world_size=2, **{**TRAIN, "steps": 1}, pp=2, grad_accum=4, micro_batch_size=2, pp_schedule=name)
+            for name in ("gpipe", "1f1b")}
+    seen = {name: launch(_orders_run, cfg, world_size=2, output="none") for name, cfg in cfgs.items()}
+    first_stage = seen["gpipe"][0][0]
+    assert first_stage == ["F0", "F1", "F2", "F3", "B0", "B1", "B2", "B3"]
+    assert [_most_in_flight(rank[0]) for rank in seen["gpipe"]] == [4, 4]  # all m micro-batches held
+    # control: 1F1B's stage s holds p - s of them
+    assert [_most_in_flight(rank[0]) for rank in seen["1f1b"]] == [2, 1]
+
+
+def test_gpipe_in_the_trainer_is_1f1bs_step_to_the_bit_and_resumes_exactly(tmp_path):
+    """``--pp-schedule gpipe``: every forward, then every backward. The backwards run in the same order as
+    1F1B's, so the gradients add up in the same order: the same step to the bit, only the memory differs."""
+    common = dict(pp=2, grad_accum=4, micro_batch_size=2)
+    one_f_one_b = run(2, **common, steps=6)
+    gpipe = run(2, **common, pp_schedule="gpipe", steps=6)
+    assert gpipe["data_sha256"] == one_f_one_b["data_sha256"] and close(gpipe, one_f_one_b, 0.0)
+    assert (gpipe["param_sha256"], gpipe["optimizer_sha256"]) == (one_f_one_b["param_sha256"], one_f_one_b["optimizer_sha256"])
+    run(2, **common, pp_schedule="gpipe", checkpoint_dir=str(tmp_path), steps=3)
+    resumed = run(2, **common, pp_schedule="gpipe", checkpoint_dir=str(tmp_path), resume=True, steps=6)
+    assert (resumed["resumed_from_step"], resumed["param_sha256"], resumed["optimizer_sha256"], resumed["data_sha256"]) == \
+        (3, gpipe["param_sha256"], gpipe["optimizer_sha256"], gpipe["data_sha256"])
+    # control: the same pipeline with 2 micro-batches of 4 sees the same samples and ends on other bits
+    halves = run(2, pp=2, grad_accum=2, micro_batch_size=4, pp_schedule="gpipe", steps=6)
+    assert halves["data_sha256"] == gpipe["data_sha256"] and halves["param_sha256"] != gpipe["param_sha256"]

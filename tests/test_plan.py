@@ -162,3 +162,101 @@ def test_links_are_fitted_per_hop_from_benchmark_rows():
         assert fit["alpha_s"] == pytest.approx(alpha) and fit["bandwidth"] == pytest.approx(bandwidth), op
     hops_ignored = calibrate.links_from(rows, 2)  # the wrong world counts the wrong hops: alpha is off
     assert hops_ignored["all_reduce"]["alpha_s"] != pytest.approx(alpha)
+
+
+def _one_node(**kw):
+    link = AlphaBeta(2e-5, 1e10)
+    return Cluster(**{**dict(nodes=1, gpus_per_node=8, memory=80e9, flops=1e14, intra=link, inter=link,
+                             memory_bandwidth=1e12), **kw})
+
+
+def test_context_parallel_term_is_the_ring_of_kv_blocks_and_vanishes_without_cp():
+    """cp ranks pass K/V blocks around a ring: L x (cp - 1) x passes sends of a K/V block each micro-batch."""
+    from ddpkit.parallel.step_time import NOTHING_HIDDEN
+
+    model, cluster = ModelSpec(layers=4, d_model=1024, heads=16, kv_heads=4, seq_len=32768, vocab=1000), _one_node()
+    link = cluster.intra
+    for cp, m in ((2, 1), (4, 2)):
+        t = step_time(model, cluster, Layout(dp=8 // cp, cp=cp, micro_batch=1, micro_batches=m), overlap=NOTHING_HIDDEN)
+        tokens = model.seq_len / cp
+        block = 2 * tokens * model.kv_dim * 2  # K and V of this rank's tokens, bf16
+        assert t["cp"] == pytest.approx(m * 4 * (cp - 1) * 3 * (link.alpha_s + block / link.bandwidth))
+    # control: without context parallelism there is no ring to pay for
+    assert step_time(model, cluster, Layout(dp=8, micro_batch=1), overlap=NOTHING_HIDDEN)["cp"] == 0
+    # and the ring hides behind the attention it feeds when it can overlap
+    hidden = step_time(model, cluster, Layout(dp=4, cp=2, micro_batch=1))
+    assert 0 <= hidden["cp"] < step_time(model, cluster, Layout(dp=4, cp=2, micro_batch=1), overlap=NOTHING_HIDDEN)["cp"]
+
+
+def test_a_long_sequence_fits_only_with_context_parallelism():
+    model = ModelSpec(layers=8, d_model=4096, heads=32, seq_len=131072, vocab=32000)
+    cluster = _one_node()
+    with_cp = plan(model, cluster, 8, tp=[1, 2], pp=[1], cp=[1, 2, 4, 8], zero=(3,), checkpointing=(False,), virtual=(1,))
+    assert with_cp.best.layout.cp > 1 and with_cp.best.time["cp"] > 0
+    assert with_cp.rank_of(cp=1) is None and any("activations" in r for r in with_cp.why_not(cp=1))
+    # control: the same space without cp has nothing that fits, for the activations' sake
+    without = plan(model, cluster, 8, tp=[1, 2], pp=[1], cp=[1], zero=(3,), checkpointing=(False,), virtual=(1,))
+    assert not without.fits and all(r.reason.startswith("memory") for r in without.rejected)
+
+
+def test_expert_parallel_term_is_four_all_to_alls_per_layer_and_vanishes_at_ep_1():
+    from ddpkit.parallel.step_time import NOTHING_HIDDEN
+
+    moe = ModelSpec(layers=4, d_model=512, heads=8, seq_len=1024, vocab=1000, experts=8, top_k=2, capacity_factor=1.25)
+    cluster, link = _one_node(), _one_node().intra
+    for ep in (2, 4, 8):
+        t = step_time(moe, cluster, Layout(dp=8, ep=ep, micro_batch=2), overlap=NOTHING_HIDDEN)
+        routed = 2 * 1024 * 2 * 1.25 * 512 * 2  # tokens x top-k x capacity x width x bf16
+        assert t["ep"] == pytest.approx(4 * 4 * ((ep - 1) * link.alpha_s + (ep - 1) / ep * routed / link.bandwidth))
+    # control: ep 1 keeps every expert on every rank, so no token leaves its rank
+    assert step_time(moe, cluster, Layout(dp=8, ep=1, micro_batch=2), overlap=NOTHING_HIDDEN)["ep"] == 0
+    # a dense model has no all-to-all whatever ep says
+    dense = ModelSpec(**{**moe.__dict__, "experts": 1})
+    assert step_time(dense, cluster, Layout(dp=8, ep=2, micro_batch=2), overlap=NOTHING_HIDDEN)["ep"] == 0
+
+
+def test_expert_parallelism_divides_the_experts_memory_and_their_gradient_all_reduce():
+    moe = ModelSpec(layers=4, d_model=2048, heads=16, seq_len=1024, vocab=1000, experts=64, top_k=2)
+    from ddpkit.parallel.step_time import stage_params
+
+    (dense1, experts1), (dense8, experts8) = (stage_params(moe, Layout(dp=8, ep=e)) for e in (1, 8))
+    assert dense8 == dense1 and experts8 == experts1 / 8 and experts1 == 4 * 64 * moe.expert_params()
+    one, eight = (memory_per_gpu(moe, Layout(dp=8, ep=e, micro_batch=1)) for e in (1, 8))
+    assert one["params"] - eight["params"] == pytest.approx(2 * (experts1 - experts8))  # bf16 weights
+    from ddpkit.parallel.step_time import NOTHING_HIDDEN
+
+    sync = {e: step_time(moe, _one_node(), Layout(dp=8, ep=e, micro_batch=1), overlap=NOTHING_HIDDEN)["dp_sync"] for e in (1, 8)}
+    assert sync[8] < 0.5 * sync[1]  # each expert's gradient is all-reduced over its dp / ep replicas only: none at ep 8
+    cluster = _one_node(memory=40e9)
+    result = plan(moe, cluster, 8, tp=[1], pp=[1], zero=(0,), checkpointing=(False,), virtual=(1,), micro_batch=[1])
+    assert result.best.layout.ep > 1 and result.best.time["ep"] > 0
+    # control: with every expert on every rank the state does not fit
+    assert result.rank_of(ep=1) is None and result.why_not(ep=1)[0].startswith("memory")
+
+
+def test_trainer_layouts_map_cp_ep_hsdp_and_fsdp2_with_tp():
+    base = TrainConfig(model="gpt", world_size=4, micro_batch_size=8)
+    cp = calibrate.trainer_layout(base.replace(cp=2, micro_batch_size=16))
+    assert (cp.dp, cp.cp, cp.global_batch) == (2, 2, 32)
+    moe_cfg = base.replace(experts=4, ep=2)
+    moe = calibrate.trainer_layout(moe_cfg)
+    assert (moe.dp, moe.ep, moe.zero) == (4, 2, 0)
+    spec = ModelSpec.from_config(moe_cfg)
+    assert (spec.experts, spec.top_k, spec.capacity_factor) == (4, 2, 1.0)  # uneven splits: no padding travels
+    assert ModelSpec.from_config(base) == ModelSpec.from_config(base.replace(top_k=1))  # dense: routing fields ignored
+    tp_fsdp = calibrate.trainer_layout(base.replace(strategy="fsdp2", tp=2, micro_batch_size=16))
+    assert (tp_fsdp.dp, tp_fsdp.tp, tp_fsdp.zero, tp_fsdp.shard) == (2, 2, 3, 0)
+    hsdp = calibrate.trainer_layout(base.replace(strategy="hsdp", replicate=2, shard=2))
+    fsdp = calibrate.trainer_layout(base.replace(strategy="fsdp2"))
+    assert (hsdp.dp, hsdp.zero, hsdp.shard) == (4, 3, 2) and "HSDP shard 2" in hsdp.describe()
+    model = ModelSpec(layers=4, d_model=1024, heads=16, seq_len=1024, vocab=1000)
+    # HSDP holds twice FSDP's shard over 4, and pays an all-reduce of the gradient shards on top of smaller gathers
+    assert memory_per_gpu(model, hsdp)["params"] == pytest.approx(2 * memory_per_gpu(model, fsdp)["params"])
+    cluster = _one_node()
+    from ddpkit.parallel.step_time import NOTHING_HIDDEN
+
+    t_hsdp, t_fsdp = (step_time(model, cluster, lay, overlap=NOTHING_HIDDEN) for lay in (hsdp, fsdp))
+    assert t_hsdp["zero_sharded"] != t_fsdp["zero_sharded"] and t_hsdp["optimizer"] == pytest.approx(2 * t_fsdp["optimizer"])
+    # control: an HSDP whose one shard group is the whole world is FSDP
+    whole = calibrate.trainer_layout(base.replace(strategy="hsdp"))
+    assert whole.shard == 4 and step_time(model, cluster, whole)["total"] == step_time(model, cluster, fsdp)["total"]

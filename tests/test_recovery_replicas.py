@@ -1,7 +1,8 @@
 """torchft replica groups on real processes: a killed group's peer goes on alone, the restarted one heals.
 
-One module-scoped run of four drills at once (each: a lighthouse and two replica-group processes) feeds
-every test; two of them are the negative controls (healing turned off; the commit ignored).
+One module-scoped run of six drills at once (each: a lighthouse and two replica-group processes) feeds
+every test; two of them are the negative controls (healing turned off; the commit ignored), two show what
+does not work (torchft's own DDP wrappers), each against a drill of the manual loop that works.
 """
 
 import pytest
@@ -23,6 +24,8 @@ def drills(tmp_path_factory):
         "no_heal": dict(die_mode="between", heal=False, **common),
         "mid": dict(die_mode="allreduce", restart=False, **common),
         "mid_ignoring_commit": dict(die_mode="allreduce", restart=False, ignore_commit=True, **common),
+        "ddp_wrapper_mid": dict(die_mode="allreduce", restart=False, wrapper="ddp", **common),
+        "pure_wrapper": dict(die_mode="none", steps=3, restart=False, wrapper="pure"),
     }, show=lambda line: None)
 
 
@@ -64,6 +67,31 @@ def test_negative_control_applying_the_uncommitted_attempt_changes_the_weights(d
     assert ignoring["retried"] == [{"step": DIE, "unchanged": False}]
     heal = drills["heal"]["survivor_sha"]
     assert all(ignoring["survivor_sha"][str(s)] != heal[str(s)] for s in range(DIE, DIE + 2))
+
+
+def test_torchfts_ddp_wrapper_crashes_the_survivor_of_a_death_mid_all_reduce(drills):
+    """torchft.ddp.DistributedDataParallel's comm hook asserts on a future that a failed wait() never built."""
+    ddp = drills["ddp_wrapper_mid"]
+    assert ddp["crashed"]["error"] == "AssertionError" and ddp["crashed"]["where"].startswith("torchft/ddp.py:")
+    assert ddp["crashed"]["step"] == DIE and ddp["committed_steps"] == list(range(DIE)) and "first_alone_step" not in ddp
+    # the same death under the manual loop (the control): the survivor goes on
+    assert "crashed" not in drills["mid"] and drills["mid"]["first_alone_step"] == DIE
+
+
+def test_torchfts_ddp_wrapper_trains_like_the_manual_loop_until_then(drills):
+    # the comparison can come out equal: before the death the wrapper's weights are the manual loop's, bit for bit
+    ddp, heal = drills["ddp_wrapper_mid"]["survivor_sha"], drills["heal"]["survivor_sha"]
+    assert [ddp[str(s)] for s in range(DIE)] == [heal[str(s)] for s in range(DIE)]
+
+
+def test_torchfts_pure_wrapper_trains_something_else_without_any_failure(drills):
+    """PureDistributedDataParallel never waits on its all-reduces, so the division by the participants (a
+    callback run on wait()) never happens and the step may read a gradient still being reduced."""
+    pure, heal = drills["pure_wrapper"], drills["heal"]
+    assert pure["retried"] == [] and pure["no_step_lost"] and "crashed" not in pure
+    assert pure["losses"]["0"] == heal["losses"]["0"], "the same first batch from the same weights"
+    before_death = [s for s in pure["survivor_sha"] if int(s) < DIE]  # the heal drill's steps with two replicas
+    assert "0" in before_death and all(pure["survivor_sha"][s] != heal["survivor_sha"][s] for s in before_death)
 
 
 def test_the_drill_refuses_in_one_line_without_torchft(monkeypatch, tmp_path):

@@ -12,6 +12,10 @@ This module's measure: *compute* is the union of the training thread's ``aten::`
 the length of communication. Each rank's Chrome trace (``export_chrome_trace``, which Perfetto and
 ``chrome://tracing`` open) is merged into one file with one process per rank. See PyTorch's profiler
 recipe (https://docs.pytorch.org/tutorials/recipes/recipes/profiler_recipe.html).
+
+:func:`thread_intervals` is the same measure for any gloo collective (FSDP2's ``gloo:all_gather``, and its
+reduce-scatters, which gloo runs as ``gloo:all_reduce``), cut into the windows a ``record_function``
+marked; :func:`draw` puts such intervals, lane by lane, on a matplotlib axis.
 """
 
 from __future__ import annotations
@@ -80,6 +84,47 @@ def intervals(trace_path: str) -> dict[str, list[tuple[float, float]]]:
         return _union([((base_us + e["ts"]) / 1e6, (base_us + e["ts"] + e["dur"]) / 1e6) for e in evs])
 
     return {"compute": spans(compute), "comm": spans(comm), "comm_threads": len({e["tid"] for e in comm})}
+
+
+def thread_intervals(trace_path: str, comm: tuple[str, ...], marks: str = "") -> dict:
+    """A rank's compute intervals, its communication intervals by name, and its marked windows.
+
+    The training thread is the one that called into ``c10d::`` (FSDP2 issues ``_allgather_base_`` and
+    ``_reduce_scatter_base_``, not DDP's ``allreduce_``; gloo's worker threads run ``aten::`` copies of
+    their own, so "every thread with an operator" would count them as compute). ``comm`` names the gloo
+    events to collect (each its own list of intervals); ``marks`` is the prefix of the
+    ``record_function`` names whose windows to return, as ``(name, start, end)`` in trace order.
+    Seconds on the clock the ranks' traces share.
+    """
+    with open(trace_path) as handle:
+        trace = json.load(handle)
+    base_us = trace.get("baseTimeNanoseconds", 0) / 1e3
+    events = [e for e in trace["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+    main = {e["tid"] for e in events if e["name"].startswith("c10d::")}
+
+    def span(e):
+        return (base_us + e["ts"]) / 1e6, (base_us + e["ts"] + e["dur"]) / 1e6
+
+    return {"compute": _union([span(e) for e in events if e["tid"] in main and e["name"].startswith("aten::")]),
+            "comm": {name: _union([span(e) for e in events if e["name"] == name]) for name in comm},
+            "marks": sorted(((e["name"], *span(e)) for e in events if marks and e["tid"] in main
+                             and e["name"].startswith(marks)), key=lambda m: m[1])}
+
+
+def clip(spans: list[tuple[float, float]], start: float, end: float) -> list[tuple[float, float]]:
+    """The parts of ``spans`` inside ``[start, end]``."""
+    return [(max(a, start), min(b, end)) for a, b in spans if b > start and a < end]
+
+
+def draw(ax, rows: list[tuple[str, list[tuple[float, float]], str]], start: float, title: str = "") -> None:
+    """One lane per ``(label, spans, color)`` row, top to bottom, in milliseconds since ``start``."""
+    for lane, (label, spans, color) in enumerate(rows):
+        bars = [((a - start) * 1e3, (b - a) * 1e3) for a, b in spans]
+        ax.broken_barh(bars, (len(rows) - lane - 0.9, 0.8), color=color)
+    ax.set_yticks([len(rows) - lane - 0.5 for lane in range(len(rows))], [label for label, _, _ in rows], fontsize=8)
+    ax.set_xlabel("ms since the step began", fontsize=8)
+    if title:
+        ax.set_title(title, fontsize=9)
 
 
 def overlapped_fraction(compute: list[tuple[float, float]], comm: list[tuple[float, float]]) -> float:

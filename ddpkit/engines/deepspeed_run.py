@@ -21,8 +21,9 @@ To run it beside the kit on CPU ranks, four things change from a GPU config, eac
 call ``torch.cuda.is_available()``, which starts the CUDA driver in the calling process (a notebook
 kernel could then no longer fork ranks, see ``ddpkit/launch.py``). On Linux, DeepSpeed's CPU backend
 compiles a shared-memory collective op (``ShareMemCommBuilder``, ``deepspeed/comm/torch.py``) the first
-time a process group starts: minutes on a busy 2-core machine. ``TORCH_EXTENSIONS_DIR`` points into this
-environment's own folder (``sys.prefix``), so the build is done once per environment (:func:`build_ops`).
+time a process group starts: minutes on a busy 2-core machine; ZeRO-Offload's ``DeepSpeedCPUAdam`` is
+another compiled op. ``TORCH_EXTENSIONS_DIR`` points into this environment's own folder (``sys.prefix``),
+so each build is done once per environment (:func:`build_ops`).
 """
 
 from __future__ import annotations
@@ -77,17 +78,29 @@ def import_deepspeed():
     return deepspeed
 
 
-def ops_built() -> bool:
-    """True when the shared-memory collective op DeepSpeed's CPU backend loads is already compiled here."""
-    return os.path.isdir(os.path.join(extensions_dir(), "deepspeed_shm_comm"))
+OPS = ("deepspeed_shm_comm", "cpu_adam")
+"""The compiled ops the notebook loads: the CPU backend's shared-memory collectives, and ZeRO-Offload's
+``DeepSpeedCPUAdam`` (seed 003's config offloads the optimizer)."""
 
 
-def build_ops() -> None:
-    """Compile (or find) the op now, in this process: what the first process group would otherwise do."""
+def ops_built(ops: tuple[str, ...] = OPS) -> bool:
+    """True when every op of ``ops`` is already compiled in this environment."""
+    return all(os.path.isdir(os.path.join(extensions_dir(), op)) for op in ops)
+
+
+def build_ops(ops: tuple[str, ...] = OPS) -> None:
+    """Compile (or find) ``ops`` now, in this process: what the first process group (the shared-memory op,
+    about 40 s on an idle 2-core machine) and the first engine with an offloaded optimizer (CPUAdam, about
+    2.5 minutes of CPU) would otherwise do."""
     import_deepspeed()
-    from deepspeed.comm.torch import build_shm_op
+    if "deepspeed_shm_comm" in ops:
+        from deepspeed.comm.torch import build_shm_op
 
-    build_shm_op()
+        build_shm_op()
+    if "cpu_adam" in ops:
+        from deepspeed.ops.op_builder import CPUAdamBuilder
+
+        CPUAdamBuilder().load(verbose=False)
 
 
 def cpu_config(cfg: TrainConfig, world_size: int, stage: int, clipping: float | None = 0.0) -> dict:
@@ -102,6 +115,54 @@ def cpu_config(cfg: TrainConfig, world_size: int, stage: int, clipping: float | 
     if clipping is not None:
         config["gradient_clipping"] = clipping
     return config
+
+
+def seed_config_fixed(world_size: int) -> dict:
+    """Seed 003's config with only its batch fixed for ``world_size`` ranks: 8 per rank x 4 accumulation steps
+    x the ranks present. Everything else as the seed writes it: bf16, ZeRO-3 with the optimizer offloaded to
+    the CPU (so DeepSpeed builds its compiled ``DeepSpeedCPUAdam``), clipping at 1.0, ``WarmupDecayLR``."""
+    config = copy.deepcopy(SEED_CONFIG)
+    config["train_batch_size"] = (config["train_micro_batch_size_per_gpu"] * config["gradient_accumulation_steps"]
+                                  * world_size)
+    return config
+
+
+def train_seed_config(ctx: RankContext, cfg: TrainConfig, steps: int) -> dict:
+    """``steps`` optimizer steps of the kit's model and samples under :func:`seed_config_fixed`.
+
+    One change to the data, not the config: bf16 makes DeepSpeed cast the model's weights to bf16
+    (``engine.module`` holds bf16 tensors), and a float input must be cast to match, or the first linear
+    layer fails ("mat1 and mat2 must have the same dtype"). An LLM's token ids need no cast, which is why
+    the seed's code has none. Returns the effective settings, read from the engine, and each step's loss."""
+    deepspeed = import_deepspeed()
+    deepspeed.init_distributed(dist_backend="gloo")
+    config = seed_config_fixed(ctx.world_size)
+    job = cfg.replace(micro_batch_size=config["train_micro_batch_size_per_gpu"],
+                      grad_accum=config["gradient_accumulation_steps"])
+    seed_everything(cfg.seed)
+    model = build_model(job)
+    engine, optimizer, _, scheduler = deepspeed.initialize(model=model, config=config,
+                                                           model_parameters=model.parameters())
+    dtype = next(engine.module.parameters()).dtype
+    batches, losses, lrs = kit_batches(ctx, job), [], []
+    for _ in range(steps):
+        lrs.append(engine.get_lr()[0])  # the lr this optimizer step uses
+        loss_sum = 0.0
+        for _ in range(job.grad_accum):
+            batch = next(batches)
+            per_sample = loss_fn(engine(batch["inputs"].to(dtype)).float(), batch["targets"], reduction="none")  # (B,)
+            engine.backward(per_sample.mean())
+            loss_sum += float(per_sample.detach().sum())
+            engine.step()
+        losses.append(global_loss_sum(ctx, loss_sum) / job.global_batch_size)
+    inner, offload = getattr(engine.optimizer, "optimizer", engine.optimizer), engine.zero_offload_optimizer()
+    out = {"losses": losses, "lrs": lrs, "weights_dtype": str(dtype).replace("torch.", ""),
+           "stage": engine.zero_optimization_stage(), "optimizer": type(inner).__name__,
+           "offload": str(getattr(offload.device, "value", offload.device)) if offload else "none",
+           "clipping": engine.gradient_clipping(), "scheduler": type(scheduler).__name__,
+           "global_batch": job.global_batch_size}
+    engine.destroy()
+    return out
 
 
 def kit_batches(ctx: RankContext, cfg: TrainConfig):

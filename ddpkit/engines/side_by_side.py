@@ -1,7 +1,8 @@
 """One launch, every engine: the kit's strategies and DeepSpeed's ZeRO stages on the same job, same ranks.
 
 :func:`run_all` is a rank function for :func:`ddpkit.launch.launch`. On each rank it tries seed 003's
-DeepSpeed config as written, trains the kit's job with each of the kit's strategies (its Trainer), then
+DeepSpeed config as written, trains with it once its batch is fixed for these ranks (``seed_config``), trains the kit's job
+with each of the kit's strategies (its Trainer), then
 with DeepSpeed at ZeRO stages 1, 2 and 3 (``deepspeed_run``), and once more at stage 1 with DeepSpeed's
 default gradient clipping. All runs share the ranks' process group; each starts from the same seed, so
 each sees the same initial weights and the same samples. Rank 0 prints a line as each run ends.
@@ -35,12 +36,15 @@ def seed_config_error(ctx: RankContext) -> str:
     return ""
 
 
-def run_all(ctx: RankContext, cfg: TrainConfig) -> dict:
+def run_all(ctx: RankContext, cfg: TrainConfig, seed_config: bool = True) -> dict:
     """Every run of the comparison on this rank (see the module docstring); rank 0's result is the report."""
     warnings.filterwarnings("ignore", category=FutureWarning)  # torch's renamed collectives, as DeepSpeed calls them
     say = print if ctx.is_main else (lambda *a, **k: None)
     out: dict = {"seed_config_error": seed_config_error(ctx)}
     say("seed 003's config as written:", out["seed_config_error"][:160], flush=True)
+    if seed_config:  # it needs DeepSpeedCPUAdam compiled (deepspeed_run.build_ops)
+        out["seed_config_fixed"] = deepspeed_run.train_seed_config(ctx, cfg, cfg.steps)
+        say("seed 003's config with its batch fixed: trained", cfg.steps, "steps", flush=True)
     out["kit"] = {}
     for strategy in KIT_STRATEGIES:
         summary = train.run(ctx, cfg.replace(strategy=strategy))

@@ -143,6 +143,8 @@ EXERCISES = [
               "torch.distributed.flight_recorder.components.builder:build_db":
                   "runs torch's Flight Recorder analyzer, the tool this exercise rebuilds: line the entries up yourself"},
              budget_units=250.0),
+    Exercise("20_same_samples", {"fed_the_same": ("ddpkit.exercises.same_samples:check_fed_the_same", ("fed_the_same",))},
+             {"ddpkit.data:check_partition": KIT.format(what="partition check", ref="ddpkit.data.check_partition")}),
     Exercise("00_build_it_live",
              {"config": ("ddpkit.exercises.trainer:check_config_class", ("TrainConfig",)),
               "sampler": ("ddpkit.exercises.data:check_sampler", ("ResumableDistributedSampler",)),

@@ -116,4 +116,9 @@ HINTS = {
         'At each number compare (profiling_name, input_sizes, input_dtypes) across ranks; a rank with no entry differs too.',
         'At the first number that differs, the culprit is the rank that disagrees with the majority, not with rank 0.',
     ],
+    'fed_the_same': [
+        'A rank alone cannot see a repeat across ranks: every rank needs every rank\'s ids (dist.all_gather_object).',
+        'Ranks may hold different numbers of ids: gather Python lists, or gather the lengths first and pad.',
+        'Count each id over all ranks; any count above 1 means True, and every rank computes the same answer.',
+    ],
 }

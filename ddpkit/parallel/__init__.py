@@ -7,7 +7,7 @@ schedules; ``pipeline_strategy.py``: the trainer's step as a pipeline); what a r
 whole tensors, for checkpoints that stay sharded (``chunks.py``, ``held_state.py``); collectives and
 what they cost (``comm.py``), and point-to-point patterns checked under NCCL's rule that a send waits
 for its receive (``rendezvous.py``); memory per rank (``memory.py``); ``dims.py`` is the parallel
-layout (dp x tp x pp) and its device mesh; ``fsdp_tensor.py`` is tensor parallelism inside FSDP2, and ``fsdp_flags.py`` checks the FSDP2 flags of a config; ``context_strategy.py`` is the trainer's ``--cp``, ``expert_strategy.py`` its ``--experts`` and ``--ep``.
+layout (dp x tp x pp) and its device mesh; ``fsdp_depth.py`` and ``fsdp_prefetch.py`` turn FSDP2's knobs on real ranks (resharding, mixed precision, meshes, offload; prefetch's memory and overlap), ``fsdp_tensor.py`` is tensor parallelism inside FSDP2, and ``fsdp_flags.py`` checks the FSDP2 flags of a config; ``context_strategy.py`` is the trainer's ``--cp``, ``expert_strategy.py`` its ``--experts`` and ``--ep``.
 :func:`build_strategy` maps a config's ``strategy``
 name (and its tp and pp degrees) to one. Strategy modules are imported on demand, so that importing the
 layout (which the config does) stays cheap.

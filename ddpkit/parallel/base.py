@@ -38,6 +38,7 @@ class Strategy:
     """See the module docstring. ``ctx`` may be None for code that runs outside a job (a notebook cell)."""
 
     name = "single"
+    measure_comm = True  # time gradient communication per step (the trainer turns it off when no one reads it)
 
     def __init__(self, ctx: RankContext | None = None) -> None:
         self.ctx = ctx

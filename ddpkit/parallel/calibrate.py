@@ -118,11 +118,22 @@ def cpu_cluster(links: dict, compute: dict, optimizer_bandwidth: float, ranks: i
                    name=f"this machine: {ranks} ranks on {cores} cores")
 
 
+ZERO_STAGE = {"ddp": 0, "zero1": 1, "zero1-torch": 1, "fsdp2": 3, "hsdp": 3}  # the trainer's strategy -> ZeRO stage
+
+
 def trainer_layout(cfg) -> Layout:
-    """The planner's :class:`Layout` for what a ``TrainConfig`` runs."""
-    zero = {"ddp": 0, "zero1": 1, "zero1-torch": 1, "fsdp2": 3}[cfg.strategy]
-    return Layout(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, zero=zero, checkpointing=cfg.activation_checkpointing,
-                  micro_batch=cfg.micro_batch_size, micro_batches=cfg.grad_accum, order=("tp", "dp", "pp", "cp"))
+    """The planner's :class:`Layout` for what a ``TrainConfig`` runs: its dp, tp, pp, cp and ep degrees
+    (``--experts E --ep N``: the experts split over N of the dp ranks; :meth:`ModelSpec.from_config`
+    gives the planner the experts themselves), the ZeRO stage of its strategy, recomputation and
+    micro-batching. ``fsdp2 --tp N`` is ZeRO-3 over the dp ranks with tp inside each replica, as the
+    trainer runs it. ``hsdp`` is ZeRO-3 within shard groups of ``shard`` ranks (``Layout.shard``), its
+    gradient shards all-reduced across the replica groups."""
+    if cfg.strategy not in ZERO_STAGE:
+        raise ValueError(f"the planner has no ZeRO stage for strategy {cfg.strategy!r}: use one of {', '.join(ZERO_STAGE)}")
+    shard = cfg.hsdp_mesh[1] if cfg.strategy == "hsdp" else 0
+    return Layout(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp, ep=cfg.ep, zero=ZERO_STAGE[cfg.strategy], shard=shard,
+                  checkpointing=cfg.activation_checkpointing, micro_batch=cfg.micro_batch_size,
+                  micro_batches=cfg.grad_accum, order=("tp", "dp", "pp", "cp"))
 
 
 def time_layouts(ctx, configs: dict, rounds: int = 3, steps: int = 1, probe=(2, 8), link_sizes=()) -> dict:

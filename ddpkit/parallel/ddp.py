@@ -67,4 +67,4 @@ class DDPStrategy(Strategy):
 
     def comm_timer(self, model: torch.nn.Module) -> CommTimer:
         timer = CommTimer(self.ctx.device if self.ctx else None)
-        return timer.register(model) if isinstance(model, DDP) else timer
+        return timer.register(model, measure=self.measure_comm) if isinstance(model, DDP) else timer

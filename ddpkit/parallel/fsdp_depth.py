@@ -18,7 +18,8 @@ Every function here runs on real ranks (``ddpkit.launch``) and measures; nothing
   master weights, at no extra memory. :func:`lost_update` shows why the master must be fp32: bf16
   keeps 8 significant bits.
 * **Prefetch.** ``set_modules_to_forward_prefetch`` / ``set_modules_to_backward_prefetch`` issue the
-  same all-gathers earlier; :func:`run_prefetch` counts how many units are then gathered at once.
+  same all-gathers earlier: :mod:`ddpkit.parallel.fsdp_prefetch` counts how many units are then
+  gathered at once, and measures the overlap with compute from a profiler trace.
 * **HSDP.** ``fully_shard(module, mesh=mesh_2d)`` with a 2-D mesh (replicate, shard) shards within a
   group and replicates across groups: parameters are ``DTensor`` s placed ``(Replicate(), Shard(0))``,
   gradients are reduce-scattered in the shard group then all-reduced across the replicate group.
@@ -178,52 +179,6 @@ def run_ddp(ctx, *, steps: int = 3, width: int = 64, depth: int = 4, lr: float =
         dist.all_reduce(mean, group=ctx.world_group)
         losses.append(mean.item() / ctx.world_size)
     return {"losses": losses}
-
-
-def run_prefetch(ctx, *, prefetch: int = 0, width: int = 64, depth: int = 4) -> dict:
-    """One forward and backward with each unit set to all-gather the next ``prefetch`` units in forward
-    (``set_modules_to_forward_prefetch``) and the previous ``prefetch`` in backward
-    (``set_modules_to_backward_prefetch``); ``0`` leaves FSDP2's defaults.
-
-    Prefetching issues a unit's all-gather before the unit runs, so that on a GPU it overlaps the
-    current unit's compute; the cost is memory: more units' whole parameters alive at once. Counted from
-    the order of events: at the start of each unit's forward, the units gathered so far minus those whose
-    forward has ended (resharded after it). Returns the most units alive at once and their bytes."""
-    check_supported()
-    fully_shard, _, _ = fsdp_api()
-    model = make_model(width, depth)
-    units = fsdp.shard_units(model)
-    unit_bytes = [sum(p.numel() * p.element_size() for p in u.parameters()) for u in units]
-    for unit in units:
-        fully_shard(unit, reshard_after_forward=True)
-    fully_shard(model)
-    if prefetch:
-        for i, unit in enumerate(units):
-            unit.set_modules_to_forward_prefetch(units[i + 1:i + 1 + prefetch])
-            unit.set_modules_to_backward_prefetch(units[max(0, i - prefetch):i][::-1])
-    with CollectiveLog() as log:
-        hooks = [h for i, u in enumerate(units) for h in (
-            u.register_forward_pre_hook(lambda *_, i=i: log.mark("unit_start", unit=i)),
-            u.register_forward_hook(lambda *_, i=i: log.mark("unit_end", unit=i)))]
-        x, y = batch_for(ctx.rank, 0, width)
-        with log.during("forward"):
-            loss = torch.nn.functional.mse_loss(model(x), y)
-        with log.during("backward"):
-            loss.backward()
-        for hook in hooks:
-            hook.remove()
-    gathered = ended = alive = 0
-    for r in log.records:
-        if r["phase"] != "forward":
-            continue
-        gathered += r["op"] == "all_gather"
-        ended += r["op"] == "unit_end"
-        if r["op"] == "unit_start":
-            alive = max(alive, gathered - ended)
-    return {"prefetch": prefetch, "max_units_alive": alive, "max_alive_bytes": alive * max(unit_bytes),
-            "unit_bytes": max(unit_bytes), "order": [r["op"] + (str(r["unit"]) if "unit" in r else "")
-                                                      for r in log.records if r["phase"] == "forward"],
-            "backward_all_gather": log.count("all_gather", "backward")}
 
 
 def run_tp_fsdp(ctx, *, steps: int = 3, width: int = 64, depth: int = 4, lr: float = 0.1) -> dict:

@@ -69,10 +69,12 @@ def activation_memory(model: ModelSpec, layout: Layout, act: int = 2) -> float:
 
 def memory_per_gpu(model: ModelSpec, layout: Layout, precision: str = "bf16-mixed") -> dict[str, float]:
     """Bytes one device holds, by component: ``params``, ``grads``, ``optimizer`` (``memory.bytes_per_rank``
-    for the ZeRO stage over the dp x cp ranks that hold the same weights), ``activations``, ``buffers``
+    for the ZeRO stage over the dp x cp ranks that hold the same weights, or HSDP's shard group), ``activations``, ``buffers``
     (ZeRO-3 keeps two layers gathered: the one running and the one prefetched) and ``total``."""
     dense, experts = stage_params(model, layout)
     strategy, n = ZERO_STRATEGIES[layout.zero], layout.dp * layout.cp
+    if layout.zero == 3 and layout.shard:  # HSDP: sharded within its shard groups only
+        n = layout.shard
     out = dict.fromkeys(("params", "grads", "optimizer"), 0.0)
     for count, ranks in ((dense, n), (experts, max(1, n // layout.ep))):
         if count:

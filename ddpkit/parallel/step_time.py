@@ -24,7 +24,9 @@ literature with its parameters explicit, so a reader can check each against its 
   behind the next forward up to ``Overlap.param_gather``); ZeRO-2 reduce-scatters and ZeRO-3 also
   all-gathers the weights twice *per micro-batch* (gradient accumulation repeats them), hidden behind
   that micro-batch's compute up to ``Overlap.sharded`` (Rajbhandari et al. 2020, ZeRO); ZeRO-3 as FSDP
-  runs it gathers one layer at a time, so it pays the latency of L + 1 collectives of each kind.
+  runs it gathers one layer at a time, so it pays the latency of L + 1 collectives of each kind. HSDP
+  (``Layout.shard``) runs ZeRO-3 inside shard groups and all-reduces each unit's gradient shard across
+  the groups (``fully_shard`` on a 2-D mesh).
 * **context parallelism** passes K/V blocks around a ring each layer (ring attention, Liu et al.
   2023); **expert parallelism** routes tokens with an all-to-all before and after each expert MLP.
 * **the optimizer** reads and writes its state once per step: memory-bound.
@@ -117,9 +119,13 @@ class ModelSpec:
 
     @classmethod
     def from_config(cls, cfg) -> "ModelSpec":
-        """The kit's TinyGPT as a ``TrainConfig`` describes it (biased linears, learned positions)."""
+        """The kit's TinyGPT as a ``TrainConfig`` describes it (biased linears, learned positions); with
+        ``experts`` its MLPs are a mixture of that many experts, ``top_k`` of them per token. The kit's
+        all-to-all sends uneven splits, so no padding travels (``capacity_factor`` 1 here); a factor below 1
+        drops tokens, and at most that share of them travels."""
+        moe = dict(experts=cfg.experts, top_k=cfg.top_k, capacity_factor=min(1.0, cfg.capacity_factor)) if cfg.experts else {}
         return cls(layers=cfg.n_layers, d_model=cfg.d_model, heads=cfg.n_heads, seq_len=cfg.seq_len,
-                   vocab=cfg.vocab_size, bias=True, learned_positions=True)
+                   vocab=cfg.vocab_size, bias=True, learned_positions=True, **moe)
 
 
 @dataclass(frozen=True)
@@ -173,6 +179,9 @@ class Layout:
     """v: model chunks per pipeline rank (interleaved 1F1B)."""
     order: tuple[str, ...] = AXES
     """Mesh axes innermost first: consecutive ranks differ along the first, which so stays inside a node."""
+    shard: int = 0
+    """ZeRO-3's shard group: 0 shards over every rank that holds the same weights (dp x cp); fewer is
+    HSDP, sharded within groups of ``shard`` ranks and replicated across the others."""
 
     @property
     def world(self) -> int:
@@ -188,7 +197,7 @@ class Layout:
     def describe(self) -> str:
         parts = [f"{a} {n}" for a, n in (("tp", self.tp), ("cp", self.cp), ("ep", self.ep), ("pp", self.pp)) if n > 1]
         parts.append(f"dp {self.dp}")
-        extra = [f"ZeRO-{self.zero}" if self.zero else "no ZeRO", "recompute" if self.checkpointing else "",
+        extra = [f"ZeRO-{self.zero}" if self.zero else "no ZeRO", f"HSDP shard {self.shard}" if self.shard else "", "recompute" if self.checkpointing else "",
                  f"b {self.micro_batch} x m {self.micro_batches}", f"v {self.virtual_stages}" if self.virtual_stages > 1 else ""]
         return " x ".join(parts) + ", " + ", ".join(e for e in extra if e)
 
@@ -299,15 +308,21 @@ def step_time(model: ModelSpec, cluster: Cluster, layout: Layout, precision: str
     dense, experts = stage_params(model, layout)
     n = layout.dp * cp  # ranks that hold the same dense weights; each expert is on n / ep of them
     groups = ((dense, n), (experts, max(1, n // layout.ep)))
+    s = (layout.shard or n) if layout.zero == 3 else n  # ranks one shard group spans (HSDP: fewer than n)
+    shard_groups = ((dense, s), (experts, max(1, s // layout.ep)))
 
-    def dp_collective(op: str, bytes_per_param: float) -> float:
-        return sum(collective_seconds(op, count * bytes_per_param, ranks, link(cluster, layout, "dp", op)) for count, ranks in groups)
+    def dp_collective(op: str, bytes_per_param: float, over=groups) -> float:
+        return sum(collective_seconds(op, count * bytes_per_param, ranks, link(cluster, layout, "dp", op)) for count, ranks in over)
 
     ag, rs = dp_collective("all_gather", p.weights), dp_collective("reduce_scatter", p.grads)
     sharded = {2: rs}.get(layout.zero, 0.0)
     if layout.zero == 3:  # FSDP gathers one layer at a time: L + 1 collectives of each kind, each paying its latency
         units = L + 1
-        sharded = units * (2 * dp_collective("all_gather", p.weights / units) + dp_collective("reduce_scatter", p.grads / units))
+        sharded = units * (2 * dp_collective("all_gather", p.weights / units, shard_groups)
+                           + dp_collective("reduce_scatter", p.grads / units, shard_groups))
+        if s < n:  # HSDP: each unit's gradient shard is all-reduced across the n / s replicas of its group
+            sharded += units * sum(collective_seconds("all_reduce", count / ranks / units * p.grads, n // s,
+                                                      link(cluster, layout, "dp")) for count, ranks in shard_groups)
     per_micro = {
         "tp": _exposed(tp_comm, compute, overlap.tp), "cp": _exposed(cp_comm, attention, overlap.cp),
         "ep": _exposed(ep_comm, compute, overlap.ep), "pp_p2p": pp_comm,
@@ -317,7 +332,7 @@ def step_time(model: ModelSpec, cluster: Cluster, layout: Layout, precision: str
     reduce = {0: dp_collective("all_reduce", p.grads), 1: rs}.get(layout.zero, 0.0)
     gather = ag if layout.zero in (1, 2) else 0.0
     backward_window, forward_window = compute * (passes - 1) / passes, compute / passes
-    optimizer_params = sum(count / (ranks if layout.zero else 1) for count, ranks in groups)
+    optimizer_params = sum(count / (ranks if layout.zero else 1) for count, ranks in shard_groups)
     terms = {"compute": m * compute, **{k: m * t for k, t in per_micro.items()},
              "bubble": (layout.pp - 1) / v * micro,
              "dp_sync": _exposed(reduce, backward_window, overlap.grad_reduce) + _exposed(gather, forward_window, overlap.param_gather),
