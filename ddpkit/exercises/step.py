@@ -11,7 +11,9 @@ process taking one big batch of all the ranks' samples (plain SGD, so the update
    behind (no ``zero_grad``) is caught;
 2. a grad scaler (loss scaled by 2^16) and a clip that binds: the update's norm must be lr x the clip.
 
-It accepts ``zero_grad`` first or last, and any order of operations that computes the same update.
+It accepts ``zero_grad`` first or last, and any order of operations that computes the same update. The
+samples are drawn when it runs; each rank is given only its own, and the big batch's update is computed
+by the grader.
 """
 
 from __future__ import annotations
@@ -29,9 +31,13 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
 
 
-def _data(step: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(1 + step)
-    return torch.randn(WORLD * ACCUM * MICRO, 8, generator=gen), torch.randint(0, 4, (WORLD * ACCUM * MICRO,), generator=gen)
+def _draw() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Every step's global batch, drawn now."""
+    import secrets
+
+    gen = torch.Generator().manual_seed(secrets.randbits(62))
+    return [(torch.randn(WORLD * ACCUM * MICRO, 8, generator=gen), torch.randint(0, 4, (WORLD * ACCUM * MICRO,), generator=gen))
+            for _ in range(STEPS)]
 
 
 def _rank_slice(rank: int) -> slice:
@@ -39,12 +45,12 @@ def _rank_slice(rank: int) -> slice:
     return slice(rank * per_rank, (rank + 1) * per_rank)
 
 
-def _reference(grad_clip: float, step: int = 0) -> tuple[dict[str, torch.Tensor], list[float]]:
+def _reference(data: list, grad_clip: float, step: int = 0) -> tuple[dict[str, torch.Tensor], list[float]]:
     """One process, one big batch: the SGD update of step ``step`` (after the earlier steps), and each rank's
     mean loss."""
     model = _model()
     for earlier in range(step):
-        x, y = _data(earlier)
+        x, y = data[earlier]
         model.zero_grad()
         nn.functional.cross_entropy(model(x), y).backward()
         norm = torch.sqrt(sum(p.grad.pow(2).sum() for p in model.parameters()))
@@ -53,7 +59,7 @@ def _reference(grad_clip: float, step: int = 0) -> tuple[dict[str, torch.Tensor]
             for p in model.parameters():
                 p -= LR * p.grad * scale
         model.zero_grad()
-    x, y = _data(step)
+    x, y = data[step]
     nn.functional.cross_entropy(model(x), y).backward()
     grads = [p.grad for p in model.parameters()]
     norm = torch.sqrt(sum(g.pow(2).sum() for g in grads))
@@ -64,7 +70,7 @@ def _reference(grad_clip: float, step: int = 0) -> tuple[dict[str, torch.Tensor]
     return update, losses
 
 
-def _on_rank(ctx, fn, grad_clip: float, scaled: bool) -> dict:
+def _on_rank(ctx, fn, grad_clip: float, scaled: bool, mine: list) -> dict:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from ddpkit.metrics import CommTimer
@@ -75,9 +81,7 @@ def _on_rank(ctx, fn, grad_clip: float, scaled: bool) -> dict:
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, enabled=scaled)
     for step in range(STEPS):  # the last step is compared: earlier ones must leave nothing behind
-        x, y = _data(step)
-        mine = _rank_slice(ctx.rank)
-        xs, ys = x[mine], y[mine]
+        xs, ys = mine[step]
         batches = [(xs[i * MICRO:(i + 1) * MICRO], ys[i * MICRO:(i + 1) * MICRO]) for i in range(ACCUM)]
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
         with torch.no_grad():  # the mean loss this rank must report, from its own parameters before the step
@@ -126,12 +130,15 @@ def _compare(runs: list[dict], expected: dict, losses: list[float], clip_binds: 
 @graded("05_train_step", "train_step")
 def check_train_step(fn) -> Result:
     """Check a train step on 2 ranks (see the module docstring)."""
-    unclipped, losses = _reference(1e9, STEPS - 1)
+    data = _draw()
+    unclipped, losses = _reference(data, 1e9, STEPS - 1)
     true_norm = float(torch.cat([g.flatten() for g in unclipped.values()]).norm()) / LR
     tight = 0.1 * true_norm  # a clip that binds
-    clipped, clipped_losses = _reference(tight, STEPS - 1)  # the first step was clipped too: other losses
+    clipped, clipped_losses = _reference(data, tight, STEPS - 1)  # the first step was clipped too: other losses
+    given = [([(x[_rank_slice(r)].clone(), y[_rank_slice(r)].clone()) for x, y in data],) for r in range(WORLD)]
     for scaled, grad_clip, expected, losses in ((False, 1e9, unclipped, losses), (True, tight, clipped, clipped_losses)):
-        runs = run_on_ranks(getattr(fn, "__name__", "train_step"), _on_rank, fn, grad_clip, scaled, world_size=WORLD)
+        runs = run_on_ranks(getattr(fn, "__name__", "train_step"), _on_rank, fn, grad_clip, scaled, world_size=WORLD,
+                            rank_args=given)
         if isinstance(runs, Result):
             return runs
         try:
