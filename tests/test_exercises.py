@@ -130,8 +130,15 @@ class Blocked(Sampler):  # another valid layout: each rank a contiguous block of
                 for i in order[start + self.rank * share:start + (self.rank + 1) * share]]
 
 
+class IgnoresTheSeed(Sampler):  # a fixed seed of its own: reshuffled each epoch, the same for every seed
+    def _mine(self):
+        epoch, offset = divmod(self.consumed, self.per_epoch)
+        order = torch.randperm(self.n, generator=torch.Generator().manual_seed(1234 + epoch)).tolist()
+        return order[offset + self.rank:self.per_epoch:self.world]
+
+
 SamplerStub = load("02_sampler.ipynb", "ResumableDistributedSampler", solved=False)
-grade(check_sampler, Sampler, Blocked, SamplerStub, OnlyTheFirstEpoch, NeverReshuffles, GlobalRandom)
+grade(check_sampler, Sampler, Blocked, SamplerStub, OnlyTheFirstEpoch, NeverReshuffles, GlobalRandom, IgnoresTheSeed)
 
 
 def test_sampler_check(verdicts):
@@ -142,6 +149,7 @@ def test_sampler_check(verdicts):
     assert "epoch 1 trained 0 samples: only the first epoch trains" in v(check_sampler, OnlyTheFirstEpoch).message
     assert "every epoch has the same global batches" in v(check_sampler, NeverReshuffles).message
     assert "another order" in v(check_sampler, GlobalRandom).message
+    assert "another seed gave the same order: the shuffle must depend on the seed" in v(check_sampler, IgnoresTheSeed).message
 
 
 # --------------------------------------------------------------------------- the train step
@@ -371,6 +379,31 @@ class HiddenWholeState(ZeroAdamW):  # correct updates from the shards, and a ful
         super().step()
 
 
+def _a_hidden_adamw():
+    """A whole AdamW, reachable only through the closure of the function this returns (no attribute, no
+    global): the memory count must find it anyway."""
+    kept = {}
+
+    def step(params):
+        if not kept:
+            kept["params"] = [p.detach().clone().requires_grad_(True) for p in params]
+            kept["adam"] = torch.optim.AdamW(kept["params"])
+        for shadow, p in zip(kept["params"], params):
+            shadow.grad = p.grad.clone()
+        kept["adam"].step()
+
+    return step
+
+
+_HIDDEN_STEP = _a_hidden_adamw()
+
+
+class WholeStateInAClosure(ZeroAdamW):  # the audit's case: a correct ZeRO-1 plus a full AdamW in a closure
+    def step(self):
+        _HIDDEN_STEP(self.params)
+        super().step()
+
+
 class KeepsItsBuffers(ZeroAdamW):  # keeps the padded gradients and the all-gather output between steps
     def step(self):
         grads = torch.cat([p.grad.reshape(-1) for p in self.params])
@@ -402,7 +435,7 @@ class WholeParameters:  # CS336's design: each rank owns whole parameters, round
 
 ZeroStub = load("10_zero1.ipynb", "ZeroAdamW", solved=False)
 grade(check_zero1, ZeroAdamW, ZeroStub, NoAllGather, SumNotMean, WholeState, HiddenWholeState, KeepsItsBuffers,
-      WholeParameters)
+      WholeParameters, WholeStateInAClosure)
 
 
 def test_zero1_check(verdicts):
@@ -413,6 +446,7 @@ def test_zero1_check(verdicts):
     assert "differ from DDP + AdamW" in v(check_zero1, SumNotMean).message
     assert "on 4 ranks a rank keeps 1.0" in v(check_zero1, WholeState).message
     assert "on 4 ranks a rank keeps" in v(check_zero1, HiddenWholeState).message
+    assert "on 4 ranks a rank keeps" in v(check_zero1, WholeStateInAClosure).message  # counted wherever it is kept
     assert v(check_zero1, KeepsItsBuffers).passed, "a kept all-gather buffer is a layout, not optimizer state"
     assert v(check_zero1, WholeParameters).passed, "CS336's parameter-granular ZeRO-1 is right too"
 
@@ -572,8 +606,9 @@ grade(check_f_and_g, (f_solution, g_solution), (identity, g_solution), (f_soluti
 def test_f_and_g_check(verdicts):
     v = verdicts
     assert v(check_f_and_g, f_solution, g_solution).passed
-    assert "copy_to_parallel (f) must all-reduce the gradient in backward" in v(check_f_and_g, identity, g_solution).message
-    assert "reduce_from_parallel (g) must all-reduce in forward" in v(check_f_and_g, f_solution, identity).message
+    assert "the input's gradient differs from the whole MLP's" in v(check_f_and_g, identity, g_solution).message
+    assert "what does backward do at f?" in v(check_f_and_g, identity, g_solution).message
+    assert "where do the partial sums meet?" in v(check_f_and_g, f_solution, identity).message
 
 
 def gpipe(p, m):
@@ -759,7 +794,7 @@ grade(check_load_shard, load_shard, unpadded_split, old_shard_per_rank)
 def test_load_shard_check(verdicts):
     v = verdicts
     assert v(check_load_shard, load_shard).passed
-    assert "rank 1's shard has 500 elements, not ceil(1001/2) = 501: pad the last shard" in v(check_load_shard, unpadded_split).message
+    assert "rank 1's shard has 500 elements, not ceil(1001/2) = 501: how long is every new shard" in v(check_load_shard, unpadded_split).message
     assert "rank 0's shard has 251 elements, not ceil(1001/2) = 501" in v(check_load_shard, old_shard_per_rank).message
 
 
@@ -822,6 +857,19 @@ class WaitsAtOnce(OverlapDDP):  # async_op=True, then waited for inside the hook
         self.pending[-1].wait()
 
 
+class WaitsOnTheFuture(OverlapDDP):  # the same wait, through the work's future
+    def _gradient_ready(self, p):
+        super()._gradient_ready(p)
+        self.pending[-1].get_future().wait()
+
+
+class PollsUntilDone(OverlapDDP):  # the same wait again, by polling
+    def _gradient_ready(self, p):
+        super()._gradient_ready(p)
+        while not self.pending[-1].is_completed():
+            time.sleep(0.0005)
+
+
 class IgnoresBucketBytes(OverlapDDP):  # one all-reduce per parameter, whatever bucket_bytes says
     def __init__(self, module, bucket_bytes):
         super().__init__(module)
@@ -852,7 +900,7 @@ class TorchInside(torch.nn.Module):  # torch's DDP, with a comm hook, behind the
 from ddpkit.exercises.ddp import check_bucketed_ddp, check_naive_ddp, check_overlap_ddp  # noqa: E402
 
 grade(check_naive_ddp, NaiveDDP, DividesByTwo, TorchInside)
-grade(check_overlap_ddp, OverlapDDP, WaitsAtOnce)
+grade(check_overlap_ddp, OverlapDDP, WaitsAtOnce, WaitsOnTheFuture, PollsUntilDone)
 grade(check_bucketed_ddp, BucketedDDP, IgnoresBucketBytes, AllReduceAtTheEnd, NoBroadcast, BlockingBuckets)
 
 
@@ -864,6 +912,8 @@ def test_ddp_from_scratch_checks(verdicts):
     assert "divided by the number of ranks, whatever it is" in v(check_naive_ddp, DividesByTwo).message
     assert "runs torch's DistributedDataParallel" in v(check_naive_ddp, TorchInside).message
     assert "waited on while backward ran" in v(check_overlap_ddp, WaitsAtOnce).message
+    assert "waited on while backward ran" in v(check_overlap_ddp, WaitsOnTheFuture).message
+    assert "waited on while backward ran" in v(check_overlap_ddp, PollsUntilDone).message
     assert "fill each bucket to bucket_bytes" in v(check_bucketed_ddp, IgnoresBucketBytes).message
 
 
@@ -902,6 +952,25 @@ class KeepsAGatheredCopy(MyFSDP):  # frees module.parameters(), but keeps the fu
         return out
 
 
+def _a_hiding_place():
+    kept = []
+
+    def keep(tensor):
+        kept[:] = [tensor]
+
+    return keep
+
+
+_KEEP_ASIDE = _a_hiding_place()
+
+
+class KeepsACopyInAClosure(MyFSDP):  # frees everything it owns, but a closure holds the full vector
+    def forward(self, *args, **kwargs):
+        out = super().forward(*args, **kwargs)
+        _KEEP_ASIDE(torch.cat([p.detach().reshape(-1) for p in self.params]))
+        return out
+
+
 class ShardTooLong(MyFSDP):  # ceil(P/N) + 7 elements: right updates, more memory than the contract
     def __init__(self, module):
         super().__init__(module)
@@ -919,7 +988,8 @@ class SumsGradients(MyFSDP):
 
 from ddpkit.exercises.fsdp import check_fsdp  # noqa: E402
 
-grade(check_fsdp, MyFSDP, AllReduceGradients, NeverFrees, KeepsAGatheredCopy, ShardTooLong, SumsGradients)
+grade(check_fsdp, MyFSDP, AllReduceGradients, NeverFrees, KeepsAGatheredCopy, ShardTooLong, SumsGradients,
+      KeepsACopyInAClosure)
 
 
 def test_fsdp_from_scratch_check(verdicts):
@@ -928,6 +998,7 @@ def test_fsdp_from_scratch_check(verdicts):
     assert "an all-reduce gives every rank the whole gradient" in v(check_fsdp, AllReduceGradients).message
     assert "between steps the wrapper still holds" in v(check_fsdp, NeverFrees).message
     assert "between steps the wrapper still holds" in v(check_fsdp, KeepsAGatheredCopy).message
+    assert "between steps the wrapper still holds" in v(check_fsdp, KeepsACopyInAClosure).message
     assert "where ceil(P/N) elements make" in v(check_fsdp, ShardTooLong).message
     assert "the parameters differ from DDP's" in v(check_fsdp, SumsGradients).message
 
@@ -1227,10 +1298,19 @@ def with_sgd(cfg):
     return model, torch.optim.SGD(model.parameters(), lr=0.1)
 
 
+def run_the_kits_trainer(ctx, cfg):  # the kit's own Trainer behind the contract's name
+    from ddpkit.train import Trainer
+
+    trainer = Trainer(ctx, cfg)
+    trainer.fit()
+    return trainer.model.state_dict()
+
+
 from ddpkit.exercises.trainer import check_config_class, check_model_and_optimizer, check_trainer  # noqa: E402
 
 grade(check_config_class, BuildConfig, NotADataclass, ForgetsTheRanks)
 grade(check_model_and_optimizer, build_model_and_optimizer, with_sgd)
+grade(check_trainer, run_the_kits_trainer)
 
 
 def test_build_it_live_checks(verdicts):
@@ -1239,6 +1319,7 @@ def test_build_it_live_checks(verdicts):
     assert "is not a dataclass" in v(check_config_class, NotADataclass).message
     assert "gave global_batch_size 16: it must count" in v(check_config_class, ForgetsTheRanks).message
     assert "the optimizer is SGD, not torch.optim.AdamW" in v(check_model_and_optimizer, with_sgd).message
+    assert v(check_trainer, run_the_kits_trainer).message.startswith("run uses the kit's own trainer")
 
 
 def test_build_it_live_trainer_against_ddpkit_train():  # in this process: a check given keywords runs here
@@ -1258,6 +1339,21 @@ def test_exercise_notebook_conventions(path):
     assert any("hint(" in c.source for c in nb.cells if c.cell_type == "code")
     twin = (EXERCISES / path.name) if path.parent.name == "solutions" else (EXERCISES / "solutions" / path.name)
     assert twin.exists(), f"{path.name} has no {'exercise' if path.parent.name == 'solutions' else 'solution'}"
+
+
+def test_every_sentence_is_short_whatever_the_exercise(verdicts):
+    """Every check's sentence, for every case graded here (right, wrong, stub, cheat) and every exercise,
+    fits in 200 characters."""
+    from ddpkit.exercises import catalog
+
+    found = {key[2] for key in verdicts.found if key[0] == "notebook"}
+    assert found == {e.id for e in catalog.EXERCISES}
+    for key, value in verdicts.found.items():
+        rows = value if key[0] == "notebook" else [{"message": value.message}]
+        for row in rows:
+            assert len(row["message"]) <= 200, (key, row["message"])
+    wrong = {CASES[key][0] for key, value in verdicts.found.items() if key[0] != "notebook" and not value.passed}
+    assert len(wrong) >= 18, sorted(wrong)  # a wrong answer's sentence, for nearly every exercise
 
 
 def test_every_master_passes_and_every_stub_says_not_implemented(verdicts):

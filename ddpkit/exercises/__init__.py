@@ -80,6 +80,7 @@ def _failure(name: str, children: list, timeout: float) -> Result:
     errors = sorted((c for c in children if c.error), key=lambda c: (c.error.get("time", 0), c.rank))
     primary = [c for c in errors if not c.error.get("knock_on")]
     stalled = [c for c in children if c.stalled]
+    died = [c for c in children if c.result is NOTHING and not c.error and not c.stalled]
     if primary:
         cause = primary[0]
         kind, text = str(cause.error.get("type")), str(cause.error.get("message", ""))
@@ -88,6 +89,8 @@ def _failure(name: str, children: list, timeout: float) -> Result:
         if kind in ("Wrong", "Refused"):
             return Result(False, _short(text, 190))
         return Result(False, f"rank {cause.rank} raised {kind}: {_short(text)}")
+    if died:  # gone without a word (gloo aborts a rank, os._exit, a crash): its peers' errors follow from it
+        return Result(False, f"rank {died[0].rank} ended its process without returning ({died[0].how_it_ended()})")
     if stalled:
         rank = stalled[0]
         if rank.busy:
@@ -96,12 +99,8 @@ def _failure(name: str, children: list, timeout: float) -> Result:
                                  f"for a loop that never ends")
         return Result(False, f"rank {rank.rank} hung: its peers waited {timeout:.0f} s while it used no CPU, for a message "
                              f"or a collective that it never sent or joined")
-    if errors:
-        cause = errors[0]
-        return Result(False, f"rank {cause.rank} raised {cause.error.get('type')}: {_short(str(cause.error.get('message')))}")
-    quiet = [c for c in children if c.result is NOTHING]
-    rank = quiet[0] if quiet else children[0]
-    return Result(False, f"rank {rank.rank} ended its process without returning ({rank.how_it_ended()})")
+    cause = errors[0]
+    return Result(False, f"rank {cause.rank} raised {cause.error.get('type')}: {_short(str(cause.error.get('message')))}")
 
 
 def _short(text: str, limit: int = 120) -> str:

@@ -43,9 +43,8 @@ def warm_up() -> None:
 
 def baseline(keep: list = ()) -> dict:
     """Freeze what is alive now; remember the storages of ``keep`` (the grader's own tensors, whose views
-    the learner's code may make: a view is not new memory)."""
-    warm_up()
-    gc.collect()
+    the learner's code may make: a view is not new memory). The sandbox ran :func:`warm_up` before it
+    forked: what an optimizer imports lazily is there already."""
     gc.freeze()
     kinds: dict = {}
     return {"frozen": gc.get_freeze_count(), "storages": {_storage(t)[0] for t in keep if _is_tensor(t, kinds)},
@@ -138,13 +137,28 @@ def _copies(values: torch.Tensor, ref: torch.Tensor) -> bool:
     return any(torch.equal(padded[s:s + n], values) for s in starts)
 
 
+_KINDS: dict = {}  # type -> "array", "buffer", "sequence" or "" (not data): asked once per type
+
+
+def _kind(kind) -> str:
+    found = _KINDS.get(kind)
+    if found is None:
+        module, name = getattr(kind, "__module__", ""), getattr(kind, "__name__", "")
+        found = _KINDS[kind] = ("array" if (module, name) == ("numpy", "ndarray") else
+                                "buffer" if kind in (bytes, bytearray) or (module, name) == ("array", "array") else
+                                "sequence" if kind in (list, tuple) else "")
+    return found
+
+
 def _data_bytes(item) -> int:
-    kind = type(item)
-    if kind.__module__ == "numpy" and kind.__name__ == "ndarray":
+    kind = _kind(type(item))
+    if not kind:
+        return 0
+    if kind == "array":
         return int(item.nbytes) if item.base is None and item.nbytes >= BUFFER_MIN else 0
-    if kind in (bytes, bytearray) or kind.__name__ == "array" and kind.__module__ == "array":
+    if kind == "buffer":
         size = len(item) * getattr(item, "itemsize", 1)
         return size if size >= BUFFER_MIN else 0
-    if kind in (list, tuple) and len(item) >= LIST_MIN and all(type(x) is float for x in item):
+    if len(item) >= LIST_MIN and all(type(x) is float for x in item):
         return 8 * len(item)
     return 0

@@ -8,9 +8,12 @@ of the case's spawner (:mod:`ddpkit.exercises.spawner`), which receives only its
 ``result`` or ``error`` message on its own pipe (:mod:`ddpkit.exercises.channel`), never a pickle.
 
 Limits: when one child has answered, the others get ``timeout`` more seconds (a peer that waits in a
-collective gives up after ``timeout`` too); nobody gets more than ``limit`` in all; with ``idle_after``,
-children that all use no CPU for that long are taken as stuck (a deadlock shows that way at once). A
-child given up on is killed, and whether it was still using the CPU then tells "too slow" from "hung".
+collective gives up after ``timeout`` too); when one raised or ended without a word, the others stop
+half a second later; nobody gets more than ``limit`` in all; with ``idle_after``, children that all use
+no CPU for that long are taken as stuck (a deadlock shows that way at once). A child given up on is
+killed, and whether it was still using the CPU then tells "too slow" from "hung". As soon as the guard
+of a learner's process reports a forbidden implementation or a refused escape, everything stops: that
+is the verdict already.
 """
 
 from __future__ import annotations
@@ -197,12 +200,23 @@ def collect(children: list[Child], timeout: float, limit: float, idle_after: flo
         over = (first_answer is not None and now - first_answer > timeout + GRACE_S) or now - started > limit \
             or (failed and now - min(failed) > ERROR_GRACE_S)
         stuck = idle_after is not None and now - started > idle_after and all(_idle(c, idle_after) for c in waiting)
+        if any(_caught(c) for c in children):  # the verdict is already that sentence: no need to wait
+            for child in waiting:
+                child.stalled = True
+                _kill(child.pid)
+            break
         if over or stuck:
             busy = _busy([c.pid for c in waiting])
             for child in waiting:
                 child.stalled, child.busy = True, busy[child.pid]
                 _kill(child.pid)
             break
+
+
+def _caught(child: Child) -> bool:
+    """Did the child's guard see a forbidden implementation run, or refuse an escape?"""
+    return child.learner and any(kind == "finding" and payload[0] in ("forbidden", "refused")
+                                 for kind, payload in child.inbox.messages)
 
 
 def _messages(child: Child) -> None:
