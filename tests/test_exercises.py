@@ -719,6 +719,24 @@ def test_interleaved_order_check(verdicts):
     assert all(len(v(check_interleaved_order, fn).message) < 200 for fn in wrong)
 
 
+def test_an_order_runs_for_real_on_two_ranks_and_a_deadlocking_one_hangs_there():
+    """What the 13b check runs before its clock: torch's order gives the whole model's gradients on 2 gloo
+    ranks; plain 1F1B's order (the negative control) leaves both ranks waiting, given up on within seconds."""
+    from ddpkit.exercises import Result, run_on_ranks, schedule_run
+    from ddpkit.parallel import pipeline_schedules as schedules
+
+    p, v, m = 2, 2, 4
+    right = [[(a.kind, a.stage, a.micro) for a in order] for order in schedules.torch_order("interleaved", p, m, v)]
+    runs = run_on_ranks("order", schedule_run.run, [(p, v, m)], [right], 7, world_size=2, idle_after=1.5)
+    want = schedule_run.expected_grads(p, v, m, 7)
+    assert all(torch.allclose(g, w, atol=1e-5) for run in runs for c, grads in run[0].items() for g, w in zip(grads, want[c]))
+    started = time.monotonic()
+    hung = run_on_ranks("order", schedule_run.run, [(p, v, m)], [[plain_1f1b(r, p, v, m) for r in range(p)]], 7,
+                        world_size=2, idle_after=1.5)
+    assert isinstance(hung, Result) and "hung" in hung.message, hung
+    assert time.monotonic() - started < 15
+
+
 def test_the_drawn_shapes_are_torchs_and_the_paper_bubble_holds_on_each():
     """The shapes the check draws are ones torch's schedule accepts, and on each the order torch gives meets
     (p-1)/(v m) exactly on the simulator, so the check never asks for the impossible."""

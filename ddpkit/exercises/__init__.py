@@ -4,10 +4,14 @@ sentence, what is wrong and the evidence, or that it passed.
 A check never raises for a wrong answer. It returns a :class:`Result` (``passed``, ``message``), which
 the notebook shows. Called from a notebook cell, a check does not run the learner's objects in the
 kernel: it turns them back into the code of their cells (:mod:`ddpkit.exercises.sources`) and runs that
-in a fresh, bounded sandbox process (:mod:`ddpkit.exercises.sandbox`), the same way ``ddpkit check``
-grades a room. So the kernel's own state (a process group it joined, CUDA it touched, names it
-redefined) changes nothing. Inside the sandbox the checks see what runs (:mod:`ddpkit.exercises.witness`):
-the kit's own answer or PyTorch's feature, reached under any name, is refused.
+in a fresh, bounded sandbox (:mod:`ddpkit.exercises.sandbox`), the same way ``ddpkit check`` grades a
+room. So the kernel's own state (a process group it joined, CUDA it touched, names it redefined)
+changes nothing. In the sandbox a check runs in a process that never loads the learner's code: it is
+given a :class:`~ddpkit.exercises.learner.LearnerRef` per contract name, the learner's code runs in
+processes of its own that get only their own inputs and send back plain data
+(:mod:`ddpkit.exercises.learner`, :mod:`ddpkit.exercises.ranks`), and the check compares that data with
+values it computes itself. Those processes see what runs (:mod:`ddpkit.exercises.witness`): the kit's
+own answer or PyTorch's feature, reached under any name, is refused.
 
 An untouched stub (it raises ``NotImplementedError``) gets "not implemented yet: write <name> between the
 markers". Code that raises on one rank, or hangs on one rank, gets a sentence naming the rank, within a
@@ -91,6 +95,9 @@ def _failure(name: str, children: list, timeout: float) -> Result:
         return Result(False, f"rank {cause.rank} raised {kind}: {_short(text)}")
     if died:  # gone without a word (gloo aborts a rank, os._exit, a crash): its peers' errors follow from it
         return Result(False, f"rank {died[0].rank} ended its process without returning ({died[0].how_it_ended()})")
+    if stalled and len(stalled) == len(children) and not any(c.busy for c in stalled) and not errors:
+        return Result(False, "every rank hung, waiting and using no CPU: each waits for a message or a collective that "
+                             "another rank has not reached")
     if stalled:
         rank = stalled[0]
         if rank.busy:

@@ -3,8 +3,8 @@ not use.
 
 ``checks`` maps a check's name (the otter test case's name too) to the check function (``module:name``)
 and the contract names it is called with. ``forbidden`` lists the implementations that would answer the
-exercise for the learner, the kit's own and PyTorch's, each with the sentence a learner gets when the
-sandbox sees one of them run on behalf of their code (:class:`ddpkit.exercises.witness.ForbiddenCalls`).
+exercise for the learner, the kit's own and PyTorch's, each with the sentence a learner gets when one of
+them runs in a process that runs their code (:func:`ddpkit.exercises.witness.watch`).
 """
 
 from __future__ import annotations

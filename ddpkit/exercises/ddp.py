@@ -32,7 +32,7 @@ import time
 import torch
 import torch.nn as nn
 
-from ddpkit.exercises import Result, Wrong, graded, run_on_ranks
+from ddpkit.exercises import Result, graded, run_on_ranks
 
 STEPS, LR, BATCH, WIDTH = 3, 0.1, 512, 64
 

@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass, field
 
 from ddpkit.exercises import channel, learner, timing
+from ddpkit.exercises import child as child_process
 
 NOTHING = object()
 GRACE_S = 2.0  # after a peer answered and the collective timeout passed: time to report the timeout itself
@@ -148,7 +149,7 @@ def _spawn(tasks: list[dict], spawner) -> list[Child]:
                 os.close(read)
                 for child in children:  # the pipes of the children forked before this one
                     os.close(child.inbox.fd)
-                code = learner.run_task(t, write)
+                code = child_process.run_task(t, write)
             finally:
                 os._exit(code)
         os.close(write)

@@ -127,9 +127,9 @@ def _one_child(sock: socket.socket, exits: int) -> None:
             sock.close()
             for fd in (task_write, out_read, exits):
                 _close(fd)
-            from ddpkit.exercises import learner
+            from ddpkit.exercises import child
 
-            code = learner.child_main(task_read, out_write)
+            code = child.child_main(task_read, out_write)
         finally:
             os._exit(code)
     os.close(task_read)
