@@ -288,6 +288,15 @@ BYPASSES = [  # (exercise, code, what the row's sentence says): each was once gr
     ("07_global_mean_loss",  # the garbage collector, to find the grader's objects
      "import gc\n\n\ndef global_mean_loss(loss_sum, count):\n    gc.get_objects()\n    return 0.8\n",
      "the code tried gc.get_objects, which the grader does not allow"),
+    ("07_global_mean_loss",  # the collector again, asked by a thread pool's worker on the learner's behalf
+     "import gc\nfrom concurrent.futures import ThreadPoolExecutor\n\n\ndef global_mean_loss(loss_sum, count):\n"
+     "    ThreadPoolExecutor(1).submit(gc.get_objects).result()\n    return 0.8\n",
+     "the code tried gc.get_objects, which the grader does not allow"),
+    ("07_global_mean_loss",  # another process's memory, opened by a raw thread running a library function
+     "import _thread, os, time\n\n\ndef global_mean_loss(loss_sum, count):\n"
+     "    _thread.start_new_thread(os.open, (f'/proc/{os.getppid()}/mem', os.O_RDONLY))\n    time.sleep(0.5)\n"
+     "    return 0.8\n",
+     "reading another process's memory or state"),
     ("07_global_mean_loss",  # the write fence: a file outside the sandbox
      f"import os\nopen(os.path.join({str(Path.home())!r}, 'ddpkit-fence-probe'), 'w').write('x')\n" + CONSTANT_07,
      "outside its own folder, which the grader does not allow"),

@@ -113,6 +113,8 @@ def _become_learner(task: dict, report) -> None:
     from ddpkit.exercises import confine, witness
 
     files, ids = witness.watch(task["forbidden"])
+    thread_files, thread_ids = witness.watch_threads()
+    files, ids = files | thread_files, ids | thread_ids
     if task.get("watch_files"):
         witness.watch_files()
     confine.install_guard(task["workdir"], report, protected_code=files,

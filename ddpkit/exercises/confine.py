@@ -7,22 +7,26 @@
 * **The interpreter's escape hatches.** :func:`install_guard`, a ``sys.addaudithook`` hook (PEP 578: it
   cannot be removed, and it sees what happens in C as well as in Python, in every thread), refuses to the
   learner's code: frames (``sys._getframe``, a traceback's or a generator's frame: the way to the
-  grader's own variables), the garbage collector's object lists, ``ctypes``, tracing and profiling,
-  starting programs, signalling a process outside its own, writing outside the working folder, and
-  swapping a function's code. Each refusal but the frames' is recorded, and the grade says so.
+  grader's own variables), the garbage collector's object lists, signalling a process outside its own,
+  writing outside the working folder, and swapping a function's code; and to any code of a learner's
+  process, whoever asks (a library's thread could be made to ask on the learner's behalf): ``ctypes``,
+  tracing and profiling, starting programs, and another process's files or any process's memory under
+  ``/proc``. Each refusal but the frames' is recorded, and the grade says so.
+* **Other processes' memory.** The sandbox's processes are made not dumpable (:func:`not_dumpable`).
 * **Whose code it is.** The learner's code is every function whose code does not come from the
   installed packages, the standard library or ddpkit, and every code object compiled while the
   learner's code was running (``exec``, ``compile``, ``code.replace``): code run through ``exec`` is the
-  learner's too, whatever file name it claims.
+  learner's too, whatever file name it claims. A thread started while the learner's code was running
+  (a pool's worker too) is the learner's, whatever it runs (:func:`ddpkit.exercises.witness.watch_threads`).
 * **Memory.** ``RLIMIT_DATA`` bounds each process's heap (the grader also watches the whole group's
   resident memory).
 
 The guard is a closure referenced by the interpreter's list of hooks and by no module: the learner's
 code, which is refused frames and the garbage collector, has no way to reach it, and it calls only the
 functions it took when it was installed. (What it cannot stop: code that rewrites, in its own process,
-the standard library functions those call; or work handed to a thread the learner's code did not
-start, which runs with no frame of the learner's on its stack. Neither reaches the verdict, which is
-decided elsewhere from data the grader checks against values it computed itself.)
+the standard library functions those call, or starts a raw thread on a library function; a measurement
+taken in that process can then be falsified. Neither reaches the verdict, which is decided elsewhere,
+from data the grader checks against values it computed itself.)
 """
 
 from __future__ import annotations
@@ -83,6 +87,14 @@ def landlock_writes_only_under(folders: list[str]) -> str:
     return "landlock"
 
 
+def not_dumpable() -> None:
+    """Make this process (and the ones it forks) not dumpable: for a user other than root, the kernel then
+    refuses other processes of the same user its memory (``/proc/<pid>/mem``, ``ptrace``). Root keeps
+    that power: grade as an ordinary user where the room's code is not trusted."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE, 0
+
+
 def limit_memory(megabytes: int) -> None:
     """Bound the heap of this process and of every process it starts."""
     limit = megabytes * 2**20
@@ -124,6 +136,9 @@ def install_guard(workdir: str, report, protected_code: frozenset[str] = frozens
     workdir = os.path.realpath(workdir)
     roots = trusted_roots()
     realpath, isabs, getframe, getpid = os.path.realpath, os.path.isabs, sys._getframe, os.getpid
+    get_ident = threading.get_ident
+    learner_threads: set[int] = set()  # idents of threads started while the learner's code ran
+    pending_threads: set[int] = set()  # id() of Thread objects started so, not running yet
     events, frame_attributes, run_programs = _EVENTS, FRAME_ATTRIBUTES, RUN_PROGRAMS
     introspection, path_of, descendant = INTROSPECTION, _path, _is_descendant
     learner_files: set[str] = set()
@@ -157,6 +172,8 @@ def install_guard(workdir: str, report, protected_code: frozenset[str] = frozens
         return frame
 
     def learner_on_stack() -> bool:
+        if get_ident() in learner_threads:
+            return True
         frame = requester()
         while frame is not None:
             if is_learner_file(frame.f_code.co_filename):
@@ -188,6 +205,13 @@ def install_guard(workdir: str, report, protected_code: frozenset[str] = frozens
     def handle(event: str, args: tuple) -> None:  # noqa: C901 - one branch per event, in one place
         if event == "ddpkit.forbidden":
             note("forbidden", str(args[0]))
+        elif event == "ddpkit.thread":
+            if learner_on_stack():
+                pending_threads.add(id(args[1]))
+        elif event == "ddpkit.thread_run":
+            if id(args[1]) in pending_threads:
+                pending_threads.discard(id(args[1]))
+                learner_threads.add(get_ident())
         elif event == "sys._getframe" or (
                 event == "object.__getattr__" and type(args[1]) is str and args[1] in frame_attributes):
             if frame_for_learner():  # not recorded: a ValueError, which namedtuple, typing and logging cope with
@@ -209,12 +233,13 @@ def install_guard(workdir: str, report, protected_code: frozenset[str] = frozens
                 refuse("running a watched module's code again (a re-import)")
         elif event in ("sys.settrace", "sys.setprofile"):
             refuse(f"{event} (tracing would blind the grader's witnesses)")
-        elif event in introspection or event[:7] == "ctypes.":
+        elif event[:7] == "ctypes.":  # whoever asks: a thread of a library's could be made to ask for the learner
+            refuse(event)
+        elif event in introspection:
             if learner_on_stack():
                 refuse(event)
-        elif event in run_programs:
-            if learner_on_stack():
-                refuse(f"starting a program ({event})")
+        elif event in run_programs:  # whoever asks, for the same reason
+            refuse(f"starting a program ({event})")
         elif event in ("os.kill", "os.killpg"):
             target = args[0]
             if learner_on_stack() and (event == "os.killpg" or type(target) is not int or not descendant(target)):
@@ -226,9 +251,10 @@ def install_guard(workdir: str, report, protected_code: frozenset[str] = frozens
                 return
             writing = (type(mode) is str and any(c in mode for c in "wax+")) or \
                       (type(flags) is int and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT))
-            if path.startswith("/proc/") and path[6:].split("/")[0].isdigit() and \
-                    int(path[6:].split("/")[0]) != getpid() and learner_on_stack():
-                refuse("reading another process's memory or state")
+            if path.startswith("/proc/"):  # whoever asks: another process's files, or any process's memory
+                parts = realpath(path).split("/")
+                if len(parts) > 2 and parts[2].isdigit() and (int(parts[2]) != getpid() or "mem" in parts[3:]):
+                    refuse("reading another process's memory or state")
             if not writing:
                 return
             real = realpath(path)
@@ -257,7 +283,7 @@ def install_guard(workdir: str, report, protected_code: frozenset[str] = frozens
     sys.addaudithook(hook)
 
 
-_EVENTS = frozenset({"ddpkit.forbidden", "ddpkit.fsync", "ddpkit.sync", "sys._getframe", "object.__getattr__",
+_EVENTS = frozenset({"ddpkit.forbidden", "ddpkit.thread", "ddpkit.thread_run", "ddpkit.fsync", "ddpkit.sync", "sys._getframe", "object.__getattr__",
                      "object.__setattr__", "compile", "code.__new__", "exec", "sys.settrace", "sys.setprofile",
                      "os.kill", "os.killpg", "open", "os.rename", "os.link"}) | INTROSPECTION | RUN_PROGRAMS
 

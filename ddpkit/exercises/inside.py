@@ -28,6 +28,7 @@ def main(folder: str) -> None:
     sys.path[:0] = [*request["sys_path"]]
     from ddpkit.exercises import confine
 
+    confine.not_dumpable()
     isolation = confine.landlock_writes_only_under([folder, "/dev/shm", "/dev/null"])
     confine.limit_memory(HEAP_MB)
     tempfile.tempdir = folder

@@ -68,15 +68,16 @@ def functions_of(obj: Any) -> list[types.FunctionType]:
 
 @functools.lru_cache(maxsize=None)
 def _trampoline(nfree: int) -> types.CodeType:
-    """``def f(*args, **kwargs): AUDIT("ddpkit.forbidden", LABEL); return ORIGINAL(*args, **kwargs)`` with
-    ``nfree`` unused free variables (a function's new code must have as many as its closure has cells).
-    The three names are string constants here, replaced by the objects themselves in each copy."""
+    """``def f(*args, **kwargs): AUDIT(EVENT, LABEL, args[0]); return ORIGINAL(*args, **kwargs)`` with ``nfree``
+    unused free variables (a function's new code must have as many as its closure has cells). The four
+    names are string constants here, replaced by the objects themselves in each copy."""
     names = [f"_cell{i}" for i in range(nfree)]
     source = "def _outer():\n" + "".join(f"    {n} = None\n" for n in names)
     source += "    def _watched(*args, **kwargs):\n"
     if names:
         source += "        if False:\n            " + ", ".join(names) + "\n"
-    source += "        '__AUDIT__'('ddpkit.forbidden', '__LABEL__')\n        return '__ORIGINAL__'(*args, **kwargs)\n"
+    source += "        '__AUDIT__'('__EVENT__', '__LABEL__', args[0] if args else None)\n"
+    source += "        return '__ORIGINAL__'(*args, **kwargs)\n"
     source += "    return _watched\n"
     namespace: dict = {}
     with warnings.catch_warnings():
@@ -85,11 +86,11 @@ def _trampoline(nfree: int) -> types.CodeType:
     return namespace["_outer"]().__code__
 
 
-def _watch_one(fn: types.FunctionType, label: str) -> None:
+def _watch_one(fn: types.FunctionType, label: str, event: str = "ddpkit.forbidden") -> None:
     original = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
     original.__kwdefaults__, original.__qualname__ = fn.__kwdefaults__, fn.__qualname__
     code = _trampoline(len(fn.__code__.co_freevars))
-    values = {"__AUDIT__": sys.audit, "__LABEL__": label, "__ORIGINAL__": original}
+    values = {"__AUDIT__": sys.audit, "__EVENT__": event, "__LABEL__": label, "__ORIGINAL__": original}
     fn.__code__ = code.replace(co_consts=tuple(values.get(c, c) if type(c) is str else c for c in code.co_consts),
                                co_name=fn.__code__.co_name, co_qualname=fn.__code__.co_qualname)
 
@@ -108,6 +109,19 @@ def watch(forbidden: dict[str, str]) -> tuple[frozenset[str], frozenset[int]]:
             fn._ddpkit_watched = True
             ids.add(id(fn))
     return frozenset(files), frozenset(ids)
+
+
+def watch_threads() -> tuple[frozenset[str], frozenset[int]]:
+    """``threading.Thread.start`` raises ``ddpkit.thread`` (with the thread) before it starts one, and the
+    new thread raises ``ddpkit.thread_run`` (with itself) before it runs its target: the guard marks a
+    thread started while the learner's code was running as the learner's, whatever function it runs (a
+    thread pool's worker included). Returns (files, ids) as :func:`watch` does."""
+    import threading
+
+    start, bootstrap = threading.Thread.start, threading.Thread._bootstrap_inner
+    _watch_one(start, "thread", "ddpkit.thread")
+    _watch_one(bootstrap, "thread", "ddpkit.thread_run")
+    return frozenset({start.__code__.co_filename}), frozenset({id(start), id(bootstrap)})
 
 
 def watch_files() -> None:
