@@ -36,7 +36,7 @@ def child_main(task_fd: int, out_fd: int) -> int:
 
 
 def run_task(task: dict, out_fd: int) -> int:
-    """Run ``task`` (see :func:`ddpkit.exercises.ranks.task`) in this fresh child and send its outcome."""
+    """Run ``task`` (see :func:`ddpkit.exercises.learner.task`) in this fresh child and send its outcome."""
     from ddpkit import runtime
 
     send, report = channel.senders(out_fd, task["nonce"])  # before anything of the learner's can load
@@ -51,11 +51,6 @@ def run_task(task: dict, out_fd: int) -> int:
             ctx = _join(task)
         if task.get("learner"):
             _become_learner(task, report)
-        beats = task.get("beats")
-        if beats and ctx is not None:
-            from ddpkit.exercises import timing
-
-            timing.start_heartbeat(beats, ctx.rank)
         worker, args, kwargs = task["worker"], list(task["args"]), dict(task.get("kwargs") or {})
         args += list(task.get("rank_args") or ())
         if task.get("progress"):

@@ -46,9 +46,10 @@ def main(folder: str) -> None:
     from ddpkit.launch import _import_what_ranks_need
 
     _import_what_ranks_need()
-    from ddpkit.exercises import holdings
+    if any(catalog.exercise(case["exercise"]).trains for case in request["cases"]):
+        from ddpkit.exercises import holdings
 
-    holdings.warm_up()  # what every rank's first optimizer step would import (seconds): inherited instead
+        holdings.warm_up()  # what every rank's first optimizer step would import (seconds): inherited instead
     import importlib
 
     for module in request.get("preload", []):
@@ -60,15 +61,13 @@ def main(folder: str) -> None:
 
     gc.collect()
     gc.freeze()  # what is alive now stays: the forked processes' collections skip it (and do not copy its pages)
-    results = []
-    for i, case in enumerate(request["cases"]):
+    for i, case in enumerate(request["cases"]):  # each case's rows as soon as it is done: a later kill keeps them
         started = time.monotonic()
-        results.append(_run_case(os.path.join(folder, f"case-{i}"), case, result_fd))
+        found = _run_case(os.path.join(folder, f"case-{i}"), case, result_fd)
         print(f"case {i} ({case['exercise']}): {time.monotonic() - started:.1f} s", flush=True)  # for the log
-    data = json.dumps({"cases": results}).encode()
-    view = memoryview(data)
-    while view:
-        view = view[os.write(result_fd, view):]
+        view = memoryview(json.dumps({"case": i, "rows": found}).encode() + b"\n")
+        while view:
+            view = view[os.write(result_fd, view):]
     os.close(result_fd)
     sys.stdout.flush()
     sys.stderr.flush()

@@ -207,7 +207,8 @@ def collect(children: list[Child], timeout: float, limit: float, idle_after: flo
                 _kill(child.pid)
             break
         if over or stuck:
-            busy = _busy([c.pid for c in waiting])
+            raised = any(c.error and not c.error.get("knock_on") for c in children)  # the cause is known
+            busy = {c.pid: False for c in waiting} if raised else _busy([c.pid for c in waiting])
             for child in waiting:
                 child.stalled, child.busy = True, busy[child.pid]
                 _kill(child.pid)

@@ -10,7 +10,8 @@ Four kinds of process, and the learner's code runs in only one of them:
 2. **The sandbox** fences itself in (:mod:`ddpkit.exercises.confine`: writes only in its folder, a heap
    limit), imports torch and the checks, measures this machine's baseline (:mod:`ddpkit.exercises.timing`,
    from which the grading process sizes the limit), then forks one process per case. It alone holds the
-   pipe to the grading process, and writes every case's rows there at the end.
+   pipe to the grading process, and writes each case's rows there as soon as the case is done (a limit
+   reached later costs only the cases not done yet).
 3. **A case's process** runs the exercise's checks. It never imports the learner's code: a check gets a
    :class:`~ddpkit.exercises.learner.LearnerRef` per contract name, and the learner's code runs in
    processes of the fourth kind, which send back plain data only (:mod:`ddpkit.exercises.learner`). The
@@ -61,8 +62,8 @@ def run_many(cases: list[dict], *, time_scale: float = 1.0, memory_mb: int = MEM
     """Grade several cases (each a dict with ``exercise``, ``code`` and optionally ``checks`` and
     ``objects``, as :func:`run` takes them) in ONE sandbox: Python, torch and the machine's baseline are
     paid once, then each case runs in its own process forked from it, so no state one case leaves behind
-    reaches the next. The limits are the sum of the cases' (one hung case costs the whole batch its time:
-    batch code whose worst outcome is bounded by the checks themselves). ``preload`` names trusted modules
+    reaches the next. The limits are the sum of the cases' (one hung case costs the cases after it their
+    time: batch code whose worst outcome is bounded by the checks themselves). ``preload`` names trusted modules
     (a test module holding many cases' objects) imported once before the cases fork: never a learner's.
     One list of rows per case."""
     from ddpkit.exercises import catalog
@@ -98,9 +99,7 @@ def run_many(cases: list[dict], *, time_scale: float = 1.0, memory_mb: int = MEM
         verdict = _watch(proc, folder, budget * time_scale, memory_mb)
         _kill(proc)  # whatever the learner's code left running in the session goes with it
         reader.join(10)
-        if verdict is None:
-            return _read_results(b"".join(received), requested)
-        return [[{"check": name, "passed": False, "message": verdict} for name in r["checks"]] for r in requested]
+        return _read_results(b"".join(received), requested, verdict)
     finally:
         import shutil
 
@@ -159,12 +158,23 @@ def _read_baseline(folder: str) -> float | None:
         return None
 
 
-def _read_results(data: bytes, requested: list[dict]) -> list[list[dict]]:
-    try:
-        found = json.loads(data.decode())["cases"]
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
-        found = []
-    return [rows(found[i] if i < len(found) else [], r["checks"]) for i, r in enumerate(requested)]
+def _read_results(data: bytes, requested: list[dict], verdict: str | None) -> list[list[dict]]:
+    """Each case's rows as the sandbox sent them, one JSON line per case done; a case it never reported gets
+    ``verdict`` (the limit it ran into) on every check, or says that the process ended."""
+    found: dict[int, list] = {}
+    for line in data.split(b"\n"):
+        try:
+            message = json.loads(line.decode())
+            found[int(message["case"])] = message["rows"]
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+            continue
+    out = []
+    for i, r in enumerate(requested):
+        if i not in found and verdict is not None:
+            out.append([{"check": name, "passed": False, "message": verdict} for name in r["checks"]])
+        else:
+            out.append(rows(found.get(i, []), r["checks"]))
+    return out
 
 
 def rows(found, wanted: list[str]) -> list[dict]:

@@ -90,11 +90,25 @@ def _on_rank(ctx, fn, grad_clip: float, scaled: bool, mine: list) -> dict:
         loss = fn(ddp, optimizer, scaler, batches, nn.functional.cross_entropy, grad_clip)
     if loss is None:
         raise Wrong("the step returned None: return this rank's mean loss over its micro-batches (a float)")
-    return {"update": {n: p.detach() - before[n] for n, p in model.named_parameters()}, "loss": float(loss),
+    return {"update": {n: p.detach() - before[n] for n, p in model.named_parameters()}, "before": before, "loss": float(loss),
             "own_loss": own_loss, "all_reduces": timer.calls}
 
 
-def _compare(runs: list[dict], expected: dict, losses: list[float], clip_binds: bool, grad_clip: float) -> None:
+def _big_batch_update(before: dict, batch: tuple, grad_clip: float) -> dict:
+    """The big batch's SGD update from the parameters ``before`` (the rank's own, before the compared step)."""
+    model = _model()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(before[n])
+    x, y = batch
+    nn.functional.cross_entropy(model(x), y).backward()
+    norm = torch.sqrt(sum(p.grad.pow(2).sum() for p in model.parameters()))
+    scale = min(1.0, grad_clip / float(norm))
+    return {n: -LR * p.grad * scale for n, p in model.named_parameters()}
+
+
+def _compare(runs: list[dict], expected: dict, losses: list[float], clip_binds: bool, grad_clip: float,
+             batch: tuple) -> None:
     for rank, run in enumerate(runs):
         if run["all_reduces"] != 1:
             if run["all_reduces"] == 0:
@@ -114,7 +128,9 @@ def _compare(runs: list[dict], expected: dict, losses: list[float], clip_binds: 
     ratio = float(got.norm() / want.norm()) if want.norm() > 0 else float("inf")
     if float(got.norm()) == 0:
         raise Wrong("the parameters did not change: call optimizer.step() (through scaler.step(optimizer))")
-    if abs(ratio - ACCUM) < 0.05 * ACCUM:
+    from_own = _big_batch_update(runs[0]["before"], batch, grad_clip)  # from where this rank's step started
+    own = torch.cat([from_own[n].flatten() for n in expected])
+    if torch.allclose(got, ACCUM * own, rtol=1e-3, atol=1e-6) or abs(ratio - ACCUM) < 0.05 * ACCUM:
         raise Wrong(f"the update is {ACCUM}x the big-batch one: the {ACCUM} micro-batches' gradients add up where a mean "
                     f"belongs")
     if clip_binds and ratio < 1e-3:
@@ -142,7 +158,7 @@ def check_train_step(fn) -> Result:
         if isinstance(runs, Result):
             return runs
         try:
-            _compare(runs, expected, losses, grad_clip < 1e9, grad_clip)
+            _compare(runs, expected, losses, grad_clip < 1e9, grad_clip, data[STEPS - 1])
         except Wrong as exc:
             return Result(False, str(exc))
     return Result(True, f"one all-reduce per step, the big batch's update with {ACCUM} micro-batches on {WORLD} ranks, and a "
