@@ -56,8 +56,11 @@ def _on_rank(ctx, fn, router: torch.Tensor, x_mine: torch.Tensor, experts_mine: 
             raise Wrong(f"on {ep} ranks rank {rank} returned {tuple(received.shape)[0]} rows but per_source counts "
                         f"{int(per_source.sum())}: they must describe the same rows")
         report = {"per_source": per_source.clone(), "counts": counts.clone(), "rows": int(received.shape[0])}
-        if not torch.equal(per_source, truth):
-            return report  # the combine would not fit: the grader names what per_source holds
+        wrong = torch.full((ep,), int(not torch.equal(per_source, truth)), dtype=torch.int64)
+        anywhere = torch.empty_like(wrong)
+        dist.all_to_all_single(anywhere, wrong)  # every rank learns whether any rank's counts are off
+        if bool(anywhere.any()):
+            return report  # the combine would not fit on every rank: the grader names what per_source holds
         experts = Experts(LOCAL, D_MODEL, experts_mine["w1"].shape[-1])
         for name, p in experts.named_parameters():
             p.copy_(experts_mine[name])

@@ -1,7 +1,7 @@
 """The learner's code, kept out of the processes that decide the grade.
 
-The process that runs an exercise's checks (the case's process in :mod:`ddpkit.exercises.sandbox`)
-never imports the learner's code. A check is given a :class:`LearnerRef` for each name the contract
+The process that runs an exercise's checks (the case's process, :mod:`ddpkit.exercises.inside`) never
+imports the learner's code. A check is given a :class:`LearnerRef` for each name the contract
 defines; what the check does with it decides where the learner's code runs:
 
 * passed to ranks (:func:`ddpkit.exercises.run_on_ranks`), it is loaded in each rank, a process of its
@@ -11,7 +11,7 @@ defines; what the check does with it decides where the learner's code runs:
 
 Every such process is forked from the case's spawner (:mod:`ddpkit.exercises.spawner`), so it holds
 nothing of the check's but its own task, and before it loads anything of the learner's,
-:func:`child_main` makes it a learner's process: the implementations the exercise must not use report
+:func:`ddpkit.exercises.child.run_task` makes it a learner's process: the implementations the exercise must not use report
 their calls (:func:`ddpkit.exercises.witness.watch`), the audit guard is installed
 (:func:`ddpkit.exercises.confine.install_guard`), and what either sees goes to the grader at once, on the
 child's nonce-stamped pipe, where the learner's code cannot take it back. The grader reads those
@@ -59,10 +59,6 @@ class Session:
 
 
 SESSION: Session | None = None  # set in the case's process while its checks run
-
-
-def in_learner_process() -> bool:
-    return _STATE["learner"]
 
 
 class LearnerRef:
