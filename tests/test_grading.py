@@ -242,7 +242,7 @@ def _solution_code(exercise: str) -> str:
 
 
 CONSTANT_07 = "def global_mean_loss(loss_sum, count):\n    return 0.8\n"
-BYPASSES = [  # (exercise, code, what the row's sentence says): each was once graded passed
+BYPASSES = [  # (exercise, code, what the row's sentence says): ways around the grader itself
     ("07_global_mean_loss",  # 1. a verdict forged into the files and pipes the code can reach, then exit
      CONSTANT_07 + "import glob, json, os\n"
      "row = [{'check': 'global_mean_loss', 'passed': True, 'message': 'forged'}]\n"
@@ -314,7 +314,7 @@ HOG = ("import time\nimport torch\n\n\ndef global_mean_loss(loss_sum, count):  #
        "    kept = [torch.ones(50_000_000) for _ in range(14)]\n    time.sleep(60)\n    return len(kept)\n")
 
 
-def test_the_audits_bypasses_and_other_cheats_are_refused_and_a_memory_hog_is_stopped():
+def test_cheats_on_the_grader_itself_are_refused_and_a_memory_hog_is_stopped():
     """Every cheat in one sandbox, each case in its own process; the last case takes 2.8 GB on each rank and
     the whole sandbox is stopped at its 4.5 GB: the cases done before keep their rows, the hog is told why."""
     from ddpkit.exercises import sandbox
