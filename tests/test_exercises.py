@@ -130,8 +130,15 @@ class Blocked(Sampler):  # another valid layout: each rank a contiguous block of
                 for i in order[start + self.rank * share:start + (self.rank + 1) * share]]
 
 
+class IgnoresTheSeed(Sampler):  # a fixed seed of its own: reshuffled each epoch, the same for every seed
+    def _mine(self):
+        epoch, offset = divmod(self.consumed, self.per_epoch)
+        order = torch.randperm(self.n, generator=torch.Generator().manual_seed(1234 + epoch)).tolist()
+        return order[offset + self.rank:self.per_epoch:self.world]
+
+
 SamplerStub = load("02_sampler.ipynb", "ResumableDistributedSampler", solved=False)
-grade(check_sampler, Sampler, Blocked, SamplerStub, OnlyTheFirstEpoch, NeverReshuffles, GlobalRandom)
+grade(check_sampler, Sampler, Blocked, SamplerStub, OnlyTheFirstEpoch, NeverReshuffles, GlobalRandom, IgnoresTheSeed)
 
 
 def test_sampler_check(verdicts):
@@ -142,6 +149,7 @@ def test_sampler_check(verdicts):
     assert "epoch 1 trained 0 samples: only the first epoch trains" in v(check_sampler, OnlyTheFirstEpoch).message
     assert "every epoch has the same global batches" in v(check_sampler, NeverReshuffles).message
     assert "another order" in v(check_sampler, GlobalRandom).message
+    assert "another seed gave the same order: the shuffle must depend on the seed" in v(check_sampler, IgnoresTheSeed).message
 
 
 # --------------------------------------------------------------------------- the train step
@@ -402,7 +410,7 @@ class WholeParameters:  # CS336's design: each rank owns whole parameters, round
 
 ZeroStub = load("10_zero1.ipynb", "ZeroAdamW", solved=False)
 grade(check_zero1, ZeroAdamW, ZeroStub, NoAllGather, SumNotMean, WholeState, HiddenWholeState, KeepsItsBuffers,
-      WholeParameters)
+      WholeParameters)  # a whole AdamW kept in a closure: tests/test_grading.py's BYPASSES
 
 
 def test_zero1_check(verdicts):
@@ -572,8 +580,9 @@ grade(check_f_and_g, (f_solution, g_solution), (identity, g_solution), (f_soluti
 def test_f_and_g_check(verdicts):
     v = verdicts
     assert v(check_f_and_g, f_solution, g_solution).passed
-    assert "copy_to_parallel (f) must all-reduce the gradient in backward" in v(check_f_and_g, identity, g_solution).message
-    assert "reduce_from_parallel (g) must all-reduce in forward" in v(check_f_and_g, f_solution, identity).message
+    assert "the input's gradient differs from the whole MLP's" in v(check_f_and_g, identity, g_solution).message
+    assert "what does backward do at f?" in v(check_f_and_g, identity, g_solution).message
+    assert "where do the partial sums meet?" in v(check_f_and_g, f_solution, identity).message
 
 
 def gpipe(p, m):
@@ -684,6 +693,24 @@ def test_interleaved_order_check(verdicts):
     assert all(len(v(check_interleaved_order, fn).message) < 200 for fn in wrong)
 
 
+def test_an_order_runs_for_real_on_two_ranks_and_a_deadlocking_one_hangs_there():
+    """What the 13b check runs before its clock: torch's order gives the whole model's gradients on 2 gloo
+    ranks; plain 1F1B's order (the negative control) leaves both ranks waiting, given up on within seconds."""
+    from ddpkit.exercises import Result, run_on_ranks, schedule_run
+    from ddpkit.parallel import pipeline_schedules as schedules
+
+    p, v, m = 2, 2, 4
+    right = [[(a.kind, a.stage, a.micro) for a in order] for order in schedules.torch_order("interleaved", p, m, v)]
+    runs = run_on_ranks("order", schedule_run.run, [(p, v, m)], [right], 7, world_size=2, idle_after=1.5)
+    want = schedule_run.expected_grads(p, v, m, 7)
+    assert all(torch.allclose(g, w, atol=1e-5) for run in runs for c, grads in run[0].items() for g, w in zip(grads, want[c]))
+    started = time.monotonic()
+    hung = run_on_ranks("order", schedule_run.run, [(p, v, m)], [[plain_1f1b(r, p, v, m) for r in range(p)]], 7,
+                        world_size=2, idle_after=1.5)
+    assert isinstance(hung, Result) and "hung" in hung.message, hung
+    assert time.monotonic() - started < 15
+
+
 def test_the_drawn_shapes_are_torchs_and_the_paper_bubble_holds_on_each():
     """The shapes the check draws are ones torch's schedule accepts, and on each the order torch gives meets
     (p-1)/(v m) exactly on the simulator, so the check never asks for the impossible."""
@@ -759,7 +786,7 @@ grade(check_load_shard, load_shard, unpadded_split, old_shard_per_rank)
 def test_load_shard_check(verdicts):
     v = verdicts
     assert v(check_load_shard, load_shard).passed
-    assert "rank 1's shard has 500 elements, not ceil(1001/2) = 501: pad the last shard" in v(check_load_shard, unpadded_split).message
+    assert "rank 1's shard has 500 elements, not ceil(1001/2) = 501: how long is every new shard" in v(check_load_shard, unpadded_split).message
     assert "rank 0's shard has 251 elements, not ceil(1001/2) = 501" in v(check_load_shard, old_shard_per_rank).message
 
 
@@ -822,6 +849,19 @@ class WaitsAtOnce(OverlapDDP):  # async_op=True, then waited for inside the hook
         self.pending[-1].wait()
 
 
+class WaitsOnTheFuture(OverlapDDP):  # the same wait, through the work's future
+    def _gradient_ready(self, p):
+        super()._gradient_ready(p)
+        self.pending[-1].get_future().wait()
+
+
+class PollsUntilDone(OverlapDDP):  # the same wait again, by polling
+    def _gradient_ready(self, p):
+        super()._gradient_ready(p)
+        while not self.pending[-1].is_completed():
+            time.sleep(0.0005)
+
+
 class IgnoresBucketBytes(OverlapDDP):  # one all-reduce per parameter, whatever bucket_bytes says
     def __init__(self, module, bucket_bytes):
         super().__init__(module)
@@ -852,7 +892,7 @@ class TorchInside(torch.nn.Module):  # torch's DDP, with a comm hook, behind the
 from ddpkit.exercises.ddp import check_bucketed_ddp, check_naive_ddp, check_overlap_ddp  # noqa: E402
 
 grade(check_naive_ddp, NaiveDDP, DividesByTwo, TorchInside)
-grade(check_overlap_ddp, OverlapDDP, WaitsAtOnce)
+grade(check_overlap_ddp, OverlapDDP, WaitsAtOnce, WaitsOnTheFuture, PollsUntilDone)
 grade(check_bucketed_ddp, BucketedDDP, IgnoresBucketBytes, AllReduceAtTheEnd, NoBroadcast, BlockingBuckets)
 
 
@@ -864,6 +904,8 @@ def test_ddp_from_scratch_checks(verdicts):
     assert "divided by the number of ranks, whatever it is" in v(check_naive_ddp, DividesByTwo).message
     assert "runs torch's DistributedDataParallel" in v(check_naive_ddp, TorchInside).message
     assert "waited on while backward ran" in v(check_overlap_ddp, WaitsAtOnce).message
+    assert "waited on while backward ran" in v(check_overlap_ddp, WaitsOnTheFuture).message
+    assert "waited on while backward ran" in v(check_overlap_ddp, PollsUntilDone).message
     assert "fill each bucket to bucket_bytes" in v(check_bucketed_ddp, IgnoresBucketBytes).message
 
 
@@ -902,6 +944,25 @@ class KeepsAGatheredCopy(MyFSDP):  # frees module.parameters(), but keeps the fu
         return out
 
 
+def _a_hiding_place():
+    kept = []
+
+    def keep(tensor):
+        kept[:] = [tensor]
+
+    return keep
+
+
+_KEEP_ASIDE = _a_hiding_place()
+
+
+class KeepsACopyInAClosure(MyFSDP):  # frees everything it owns, but a closure holds the full vector
+    def forward(self, *args, **kwargs):
+        out = super().forward(*args, **kwargs)
+        _KEEP_ASIDE(torch.cat([p.detach().reshape(-1) for p in self.params]))
+        return out
+
+
 class ShardTooLong(MyFSDP):  # ceil(P/N) + 7 elements: right updates, more memory than the contract
     def __init__(self, module):
         super().__init__(module)
@@ -919,7 +980,8 @@ class SumsGradients(MyFSDP):
 
 from ddpkit.exercises.fsdp import check_fsdp  # noqa: E402
 
-grade(check_fsdp, MyFSDP, AllReduceGradients, NeverFrees, KeepsAGatheredCopy, ShardTooLong, SumsGradients)
+grade(check_fsdp, MyFSDP, AllReduceGradients, NeverFrees, KeepsAGatheredCopy, ShardTooLong, SumsGradients,
+      KeepsACopyInAClosure)
 
 
 def test_fsdp_from_scratch_check(verdicts):
@@ -928,6 +990,7 @@ def test_fsdp_from_scratch_check(verdicts):
     assert "an all-reduce gives every rank the whole gradient" in v(check_fsdp, AllReduceGradients).message
     assert "between steps the wrapper still holds" in v(check_fsdp, NeverFrees).message
     assert "between steps the wrapper still holds" in v(check_fsdp, KeepsAGatheredCopy).message
+    assert "between steps the wrapper still holds" in v(check_fsdp, KeepsACopyInAClosure).message
     assert "where ceil(P/N) elements make" in v(check_fsdp, ShardTooLong).message
     assert "the parameters differ from DDP's" in v(check_fsdp, SumsGradients).message
 
@@ -1289,10 +1352,19 @@ def with_sgd(cfg):
     return model, torch.optim.SGD(model.parameters(), lr=0.1)
 
 
+def run_the_kits_trainer(ctx, cfg):  # the kit's own Trainer behind the contract's name
+    from ddpkit.train import Trainer
+
+    trainer = Trainer(ctx, cfg)
+    trainer.fit()
+    return trainer.model.state_dict()
+
+
 from ddpkit.exercises.trainer import check_config_class, check_model_and_optimizer, check_trainer  # noqa: E402
 
 grade(check_config_class, BuildConfig, NotADataclass, ForgetsTheRanks)
 grade(check_model_and_optimizer, build_model_and_optimizer, with_sgd)
+grade(check_trainer, run_the_kits_trainer)
 
 
 def test_build_it_live_checks(verdicts):
@@ -1301,6 +1373,7 @@ def test_build_it_live_checks(verdicts):
     assert "is not a dataclass" in v(check_config_class, NotADataclass).message
     assert "gave global_batch_size 16: it must count" in v(check_config_class, ForgetsTheRanks).message
     assert "the optimizer is SGD, not torch.optim.AdamW" in v(check_model_and_optimizer, with_sgd).message
+    assert v(check_trainer, run_the_kits_trainer).message.startswith("run uses the kit's own trainer")
 
 
 def test_build_it_live_trainer_against_ddpkit_train():  # in this process: a check given keywords runs here
@@ -1320,6 +1393,21 @@ def test_exercise_notebook_conventions(path):
     assert any("hint(" in c.source for c in nb.cells if c.cell_type == "code")
     twin = (EXERCISES / path.name) if path.parent.name == "solutions" else (EXERCISES / "solutions" / path.name)
     assert twin.exists(), f"{path.name} has no {'exercise' if path.parent.name == 'solutions' else 'solution'}"
+
+
+def test_every_sentence_is_short_whatever_the_exercise(verdicts):
+    """Every check's sentence, for every case graded here (right, wrong, stub, cheat) and every exercise,
+    fits in 200 characters."""
+    from ddpkit.exercises import catalog
+
+    found = {key[2] for key in verdicts.found if key[0] == "notebook"}
+    assert found == {e.id for e in catalog.EXERCISES}
+    for key, value in verdicts.found.items():
+        rows = value if key[0] == "notebook" else [{"message": value.message}]
+        for row in rows:
+            assert len(row["message"]) <= 200, (key, row["message"])
+    wrong = {CASES[key][0] for key, value in verdicts.found.items() if key[0] != "notebook" and not value.passed}
+    assert len(wrong) >= 18, sorted(wrong)  # a wrong answer's sentence, for nearly every exercise
 
 
 def test_every_master_passes_and_every_stub_says_not_implemented(verdicts):

@@ -89,17 +89,40 @@ def test_ddpkit_check_grades_a_mixed_room_from_the_code_alone(tmp_path):
     (room / "fay").mkdir()  # a folder per learner works too; the published solution, renamed
     (room / "fay" / "my_ring_09_ring_all_reduce.ipynb").write_bytes(
         (EXERCISES / "solutions" / "09_ring_all_reduce.ipynb").read_bytes())
+    (room / "hal").mkdir()  # two more exercises: the first stage of three right, and a plainly wrong answer
+    ddp = nbformat.read(EXERCISES / "05_ddp_from_scratch.ipynb", as_version=4)
+    master = nbformat.read(EXERCISES / "solutions" / "05_ddp_from_scratch.ipynb", as_version=4)
+    first = next(c for c in ddp.cells if c.cell_type == "code" and "### begin" in c.source)
+    first.source = next(c.source for c in master.cells if c.cell_type == "code" and "### begin" in c.source)
+    nbformat.write(ddp, room / "hal" / "05_ddp_from_scratch.ipynb")
+    nbformat.write(_student_07("def global_mean_loss(loss_sum, count):\n    return loss_sum / count"),
+                   room / "hal" / "07_global_mean_loss.ipynb")
+    live = nbformat.read(EXERCISES / "00_build_it_live.ipynb", as_version=4)  # untouched, check cells deleted
+    live.cells = [c for c in live.cells if "check_" not in c.source]
+    live.cells.append(nbformat.v4.new_code_cell('print("PASSED: all 8 checks")'))
+    nbformat.write(live, room / "ivy_00_build_it_live.ipynb")
 
     started = time.monotonic()
     proc = run_cli("check", str(room), "--jobs", "2", "--out", str(tmp_path / "grades"), timeout=900)
     elapsed = time.monotonic() - started
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    rows = {row[0]: row[1:] for row in csv.reader((tmp_path / "grades" / "grades.csv").read_text().splitlines())}
-    assert rows["learner"] == ["09_ring_all_reduce", "total"]
-    assert rows["ada"][0] == "10/10"
+    table = list(csv.reader((tmp_path / "grades" / "grades.csv").read_text().splitlines()))
+    header = table[0]
+    rows = {row[0]: dict(zip(header[1:], row[1:])) for row in table[1:]}
+    assert header == ["learner", "05_ddp_from_scratch", "07_global_mean_loss", "09_ring_all_reduce", "00_build_it_live",
+                      "total"], header
+    assert rows["ada"]["09_ring_all_reduce"] == "10/10" and rows["ada"]["total"] == "10/10"
     for name in ("bob", "cy", "dee", "eve", "gus"):
-        assert rows[name][0] == "0/10", (name, proc.stdout)
-    assert rows["fay"][0] == "0/10*"
+        assert rows[name]["09_ring_all_reduce"] == "0/10", (name, proc.stdout)
+    assert rows["fay"]["09_ring_all_reduce"] == "0/10*"
+    assert rows["hal"] == {"05_ddp_from_scratch": "10/30", "07_global_mean_loss": "0/10", "09_ring_all_reduce": "-",
+                           "00_build_it_live": "-", "total": "10/40"}, rows["hal"]
+    assert rows["ivy"]["00_build_it_live"] == "0/90", rows["ivy"]  # 8 checks, the last worth 20
+    said = [line for line in proc.stdout.splitlines() if ".ipynb  " in line]
+    assert any("07_global_mean_loss.ipynb  global_mean_loss: on 2 ranks the ranks report different losses" in line
+               for line in said), said
+    assert any("05_ddp_from_scratch.ipynb  overlap: not implemented yet: write OverlapDDP" in line for line in said)
+    assert sum("ivy_00_build_it_live.ipynb" in line and "not implemented yet" in line for line in said) == 8
     lines = {line.split("  ")[0].split("/")[-1].split("_")[0]: line for line in proc.stdout.splitlines() if "_09_" in line}
     assert "not implemented yet" in lines["bob"]
     assert "calls dist.all_reduce, a collective" in lines["cy"] or "ran a collective (allreduce)" in lines["cy"], lines["cy"]
@@ -110,7 +133,8 @@ def test_ddpkit_check_grades_a_mixed_room_from_the_code_alone(tmp_path):
     assert all(len(line.split(": ", 1)[-1]) < 200 for line in lines.values())
     report = json.loads((tmp_path / "grades" / "ada" / "results.json").read_text())
     assert report["exercises"]["09_ring_all_reduce"]["otter"]["tests"][-1]["score"] == 10
-    assert (tmp_path / "grades" / "grades.md").read_text().startswith("| learner | 09_ring_all_reduce | total |")
+    assert (tmp_path / "grades" / "grades.md").read_text().startswith(
+        "| learner | 05_ddp_from_scratch | 07_global_mean_loss | 09_ring_all_reduce | 00_build_it_live | total |")
     assert elapsed < 600
 
 
@@ -146,6 +170,19 @@ def test_reset_puts_the_stub_back_and_export_leaves_the_solutions_out(tmp_path):
     assert not list(bundle.rglob("solutions"))
     refused = run_cli("exercises", "export", str(bundle))
     assert refused.returncode == 2 and "not empty" in refused.stderr
+
+
+def test_export_outside_a_clone_says_so_in_one_line(tmp_path, monkeypatch, capsys):
+    """A pip-installed ddpkit has no exercises/ folder: the bundle and the reset are made from its masters."""
+    import argparse
+
+    from ddpkit.exercises import autograde, commands
+
+    monkeypatch.setattr(autograde, "EXERCISES_DIR", tmp_path / "exercises")
+    code = commands.run_command(argparse.Namespace(command="exercises", action="export", folder=str(tmp_path / "b")))
+    err = capsys.readouterr().err
+    assert code == 2 and "works from a clone of the repository" in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "b").exists()
 
 
 @pytest.mark.parametrize("args, says", [(("check", "--jobs", "0", "x"), "--jobs must be at least 1"),
@@ -192,6 +229,107 @@ KIT_ANSWERS = [  # the kit's own answer, or PyTorch's, reached under the contrac
     ("07_global_mean_loss", "import torch\nimport torch.distributed as dist\n\n\n"
                             "def global_mean_loss(loss_sum, count):\n    return 0.8\n", "is not the mean over all samples"),
 ]
+
+
+def _solution_code(exercise: str) -> str:
+    """A master's marked code, as the grader reads a learner's notebook (the solution, then otter's prompt
+    as a string: harmless)."""
+    from ddpkit.exercises import catalog
+    from ddpkit.exercises.sources import learner_code
+
+    return learner_code(nbformat.read(EXERCISES / "solutions" / f"{exercise}.ipynb", as_version=4),
+                        catalog.exercise(exercise).names)
+
+
+CONSTANT_07 = "def global_mean_loss(loss_sum, count):\n    return 0.8\n"
+BYPASSES = [  # (exercise, code, what the row's sentence says): ways around the grader itself
+    ("07_global_mean_loss",  # 1. a verdict forged into the files and pipes the code can reach, then exit
+     CONSTANT_07 + "import glob, json, os\n"
+     "row = [{'check': 'global_mean_loss', 'passed': True, 'message': 'forged'}]\n"
+     "for folder in {os.path.dirname(os.path.abspath(__file__)), os.getcwd(), os.environ.get('TMPDIR', '.')}:\n"
+     "    for name in ('result.json', 'results.json'):\n"
+     "        try:\n            json.dump(row, open(os.path.join(folder, name), 'w'))\n"
+     "        except OSError:\n            pass\n"
+     "for fd in range(3, 64):\n    try:\n        os.write(fd, (json.dumps({'cases': [row]}) + '\\n').encode())\n"
+     "    except OSError:\n        pass\n"
+     "os._exit(0)\n",
+     "wrote into the grader's pipe"),
+    ("07_global_mean_loss",  # 2. the grader's entry point replaced, in every module that could hold it
+     CONSTANT_07 + "import sys\n"
+     "for name in ('__main__', 'ddpkit.exercises.sandbox'):\n"
+     "    module = sys.modules.get(name)\n"
+     "    if module is not None:\n"
+     "        module._one_check = lambda *a, **k: {'passed': True, 'message': 'forged'}\n",
+     "is not the mean over all samples"),
+    ("07_global_mean_loss",  # 3. the check's own global replaced
+     CONSTANT_07 + "from ddpkit.exercises import Result\n"
+     "from ddpkit.exercises.metrics import check_global_mean_loss\n"
+     "check_global_mean_loss.__wrapped__.__globals__['run_on_ranks'] = lambda *a, **k: Result(True, 'forged')\n",
+     "is not the mean over all samples"),
+    ("09_ring_all_reduce",  # 4. the kit's answer behind exec
+     'exec("from ddpkit.parallel.comm import ring_all_reduce as _kit\\ndef ring_all_reduce(t):\\n    _kit(t)", globals())\n',
+     "uses the kit's own ring"),
+    ("09_ring_all_reduce",  # 4b. a collective in code compiled under a library's file name
+     "import torch\n"
+     "exec(compile('import torch.distributed as dist\\ndef ring_all_reduce(t):\\n    dist.all_reduce(t)', torch.__file__, 'exec'), globals())\n",
+     "calls dist.all_reduce, a collective"),
+    ("10_zero1",  # 5. a right ZeRO-1, and a whole AdamW kept in a closure
+     _solution_code("10_zero1").replace("class ZeroAdamW:", "class _Right:") + "\n\n"
+     "def _hidden():\n    kept = {}\n\n    def step(params):\n        if not kept:\n"
+     "            kept['p'] = [p.detach().clone().requires_grad_(True) for p in params]\n"
+     "            kept['adam'] = torch.optim.AdamW(kept['p'])\n"
+     "        for s, p in zip(kept['p'], params):\n            s.grad = p.grad.clone()\n"
+     "        kept['adam'].step()\n    return step\n\n\n_STEP = _hidden()\n\n\n"
+     "class ZeroAdamW(_Right):\n    def step(self):\n        _STEP(self.params)\n        super().step()\n",
+     "on 4 ranks a rank keeps"),
+    ("07_global_mean_loss",  # the grader's frames, to read what the rank holds
+     "import sys\n\n\ndef global_mean_loss(loss_sum, count):\n    return sys._getframe(1).f_locals['mine'][0][0]\n",
+     "no frames to the learner's code"),
+    ("07_global_mean_loss",  # the garbage collector, to find the grader's objects
+     "import gc\n\n\ndef global_mean_loss(loss_sum, count):\n    gc.get_objects()\n    return 0.8\n",
+     "the code tried gc.get_objects, which the grader does not allow"),
+    ("07_global_mean_loss",  # the collector again, asked by a thread pool's worker on the learner's behalf
+     "import gc\nfrom concurrent.futures import ThreadPoolExecutor\n\n\ndef global_mean_loss(loss_sum, count):\n"
+     "    ThreadPoolExecutor(1).submit(gc.get_objects).result()\n    return 0.8\n",
+     "the code tried gc.get_objects, which the grader does not allow"),
+    ("07_global_mean_loss",  # another process's memory, opened by a raw thread running a library function
+     "import _thread, os, time\n\n\ndef global_mean_loss(loss_sum, count):\n"
+     "    _thread.start_new_thread(os.open, (f'/proc/{os.getppid()}/mem', os.O_RDONLY))\n    time.sleep(0.5)\n"
+     "    return 0.8\n",
+     "reading another process's memory or state"),
+    ("07_global_mean_loss",  # the write fence: a file outside the sandbox
+     f"import os\nopen(os.path.join({str(Path.home())!r}, 'ddpkit-fence-probe'), 'w').write('x')\n" + CONSTANT_07,
+     "outside its own folder, which the grader does not allow"),
+    ("07_global_mean_loss",  # the write fence again, from code run by exec
+     f"exec(\"import os\\nos.open(os.path.join({str(Path.home())!r}, 'ddpkit-fence-probe'), os.O_WRONLY | os.O_CREAT)\")\n" + CONSTANT_07,
+     "outside its own folder, which the grader does not allow"),
+    ("07_global_mean_loss",  # the grader's pipe: a verdict written without its nonce
+     "import os\nfor fd in range(3, 64):\n    try:\n        os.write(fd, b'result 0.5\\n')\n    except OSError:\n"
+     "        pass\n" + CONSTANT_07,
+     "wrote into the grader's pipe"),
+]
+
+
+HOG = ("import time\nimport torch\n\n\ndef global_mean_loss(loss_sum, count):  # 2.8 GB on each rank\n"
+       "    kept = [torch.ones(50_000_000) for _ in range(14)]\n    time.sleep(60)\n    return len(kept)\n")
+
+
+def test_cheats_on_the_grader_itself_are_refused_and_a_memory_hog_is_stopped():
+    """Every cheat in one sandbox, each case in its own process; the last case takes 2.8 GB on each rank and
+    the whole sandbox is stopped at its 4.5 GB: the cases done before keep their rows, the hog is told why."""
+    from ddpkit.exercises import sandbox
+
+    probe = Path.home() / "ddpkit-fence-probe"
+    probe.unlink(missing_ok=True)
+    started = time.monotonic()
+    *found, hog = sandbox.run_many([{"exercise": exercise, "code": code} for exercise, code, _ in BYPASSES] +
+                                   [{"exercise": "07_global_mean_loss", "code": HOG}], memory_mb=4608)
+    for (exercise, code, says), rows in zip(BYPASSES, found):
+        assert rows and all(not r["passed"] for r in rows), (exercise, code, rows)
+        assert says in rows[0]["message"] and len(rows[0]["message"]) <= 200, (exercise, code, rows)
+    assert not probe.exists()
+    assert not hog[0]["passed"] and hog[0]["message"].startswith("used more than 4 GB of memory"), hog
+    assert time.monotonic() - started < 180
 
 
 def test_the_kits_and_torchs_own_answers_are_refused_and_a_constant_fails():

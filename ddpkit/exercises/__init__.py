@@ -4,10 +4,14 @@ sentence, what is wrong and the evidence, or that it passed.
 A check never raises for a wrong answer. It returns a :class:`Result` (``passed``, ``message``), which
 the notebook shows. Called from a notebook cell, a check does not run the learner's objects in the
 kernel: it turns them back into the code of their cells (:mod:`ddpkit.exercises.sources`) and runs that
-in a fresh, bounded sandbox process (:mod:`ddpkit.exercises.sandbox`), the same way ``ddpkit check``
-grades a room. So the kernel's own state (a process group it joined, CUDA it touched, names it
-redefined) changes nothing. Inside the sandbox the checks see what runs (:mod:`ddpkit.exercises.witness`):
-the kit's own answer or PyTorch's feature, reached under any name, is refused.
+in a fresh, bounded sandbox (:mod:`ddpkit.exercises.sandbox`), the same way ``ddpkit check`` grades a
+room. So the kernel's own state (a process group it joined, CUDA it touched, names it redefined)
+changes nothing. In the sandbox a check runs in a process that never loads the learner's code: it is
+given a :class:`~ddpkit.exercises.learner.LearnerRef` per contract name, the learner's code runs in
+processes of its own that get only their own inputs and send back plain data
+(:mod:`ddpkit.exercises.learner`, :mod:`ddpkit.exercises.ranks`), and the check compares that data with
+values it computes itself. Those processes see what runs (:mod:`ddpkit.exercises.witness`): the kit's
+own answer or PyTorch's feature, reached under any name, is refused.
 
 An untouched stub (it raises ``NotImplementedError``) gets "not implemented yet: write <name> between the
 markers". Code that raises on one rank, or hangs on one rank, gets a sentence naming the rank, within a
@@ -56,49 +60,54 @@ def not_implemented(name: str) -> Result:
 
 
 def run_on_ranks(name: str, worker: Callable[..., Any], *args: Any, world_size: int, timeout: float | None = None,
-                 kwargs: dict | None = None) -> list[Any] | Result:
-    """``ddpkit.launch(worker, *args)`` on ``world_size`` ranks; a failure becomes a :class:`Result` that
-    names the rank and what it raised, or whether it hung or was only too slow for this machine (see
-    :mod:`ddpkit.exercises.timing`), and a ``NotImplementedError`` the stub sentence."""
-    import tempfile
-
-    from ddpkit.failures import LaunchError
-    from ddpkit.launch import launch
+                 kwargs: dict | None = None, rank_args: list | None = None, idle_after: float | None = None,
+                 ) -> list[Any] | Result:
+    """``worker(ctx, *args, *rank_args[rank])`` on ``world_size`` real gloo ranks (:mod:`ddpkit.exercises.ranks`):
+    each rank's return value (plain data), or a :class:`Result` that names the rank and what it raised,
+    or whether it hung or was only too slow for this machine (see :mod:`ddpkit.exercises.timing`); a
+    ``NotImplementedError`` gets the stub's sentence. ``rank_args`` give each rank inputs of its own
+    that no other rank's process ever holds."""
+    from ddpkit.exercises import ranks
 
     timeout = timing.collective_timeout() if timeout is None else timeout
-    beats = tempfile.mkdtemp(prefix="ddpkit-beats-")
-    try:
-        return launch(_beating, beats, worker, *args, world_size=world_size, backend="gloo", timeout=timeout,
-                      output="none", progress="off", kwargs=kwargs)
-    except LaunchError as exc:
-        cause = exc.root_cause
-        text = (cause.message.strip().splitlines() or [cause.kind])[0]
-        if cause.exc_type == "NotImplementedError":
+    children = ranks.start(ranks.rank_tasks(worker, args, kwargs, world_size, timeout, rank_args), timeout,
+                           idle_after=idle_after)
+    if all(c.result is not ranks.NOTHING for c in children):
+        return [c.result for c in children]
+    return _failure(name, children, timeout)
+
+
+def _failure(name: str, children: list, timeout: float) -> Result:
+    """The sentence for a job that did not answer on every rank: its root cause, not its knock-on errors."""
+    from ddpkit.exercises.ranks import NOTHING
+
+    errors = sorted((c for c in children if c.error), key=lambda c: (c.error.get("time", 0), c.rank))
+    primary = [c for c in errors if not c.error.get("knock_on")]
+    stalled = [c for c in children if c.stalled]
+    died = [c for c in children if c.result is NOTHING and not c.error and not c.stalled]
+    if primary:
+        cause = primary[0]
+        kind, text = str(cause.error.get("type")), str(cause.error.get("message", ""))
+        if kind == "NotImplementedError":
             return not_implemented(name)
-        if cause.exc_type == "Wrong":
-            return Result(False, text)
-        if cause.exc_type == "Refused":
-            return Result(False, text)
-        if cause.kind == "stalled" or "timed out" in text.lower():
-            # the rank that hung is the one still running when its peers timed out waiting for it
-            hung = [f.rank for f in (cause, *exc.others) if f.kind in ("stalled", "stopped")]
-            rank = hung[0] if hung else cause.rank
-            if timing.was_busy(beats, rank):
-                return Result(False, f"too slow on this machine: rank {rank} was still computing after {timeout:.0f} s "
-                                     f"(a limit set from this machine's speed now); retry when it is less busy, or look "
-                                     f"for a loop that never ends")
-            return Result(False, f"rank {rank} hung: its peers waited {timeout:.0f} s while it used no CPU, for a message "
-                                 f"or a collective that it never sent or joined")
-        return Result(False, f"rank {cause.rank} raised {cause.exc_type}: {_short(text)}")
-    finally:
-        import shutil
-
-        shutil.rmtree(beats, ignore_errors=True)
-
-
-def _beating(ctx, beats: str, worker: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    timing.start_heartbeat(beats, ctx.rank)
-    return worker(ctx, *args, **kwargs)
+        if kind in ("Wrong", "Refused"):
+            return Result(False, _short(text, 190))
+        return Result(False, f"rank {cause.rank} raised {kind}: {_short(text)}")
+    if died:  # gone without a word (gloo aborts a rank, os._exit, a crash): its peers' errors follow from it
+        return Result(False, f"rank {died[0].rank} ended its process without returning ({died[0].how_it_ended()})")
+    if stalled and len(stalled) == len(children) and not any(c.busy for c in stalled) and not errors:
+        return Result(False, "every rank hung, waiting and using no CPU: each waits for a message or a collective that "
+                             "another rank has not reached")
+    if stalled:
+        rank = stalled[0]
+        if rank.busy:
+            return Result(False, f"too slow on this machine: rank {rank.rank} was still computing after {timeout:.0f} s "
+                                 f"(a limit set from this machine's speed now); retry when it is less busy, or look "
+                                 f"for a loop that never ends")
+        return Result(False, f"rank {rank.rank} hung: its peers waited {timeout:.0f} s while it used no CPU, for a message "
+                             f"or a collective that it never sent or joined")
+    cause = errors[0]
+    return Result(False, f"rank {cause.rank} raised {cause.error.get('type')}: {_short(str(cause.error.get('message')))}")
 
 
 def _short(text: str, limit: int = 120) -> str:
@@ -114,7 +123,8 @@ def in_sandbox() -> bool:
 def graded(exercise: str, check: str):
     """Make a check callable from a notebook: outside the sandbox, the learner's objects are turned back
     into their code and the check runs in a fresh sandbox process (:mod:`ddpkit.exercises.sandbox`);
-    inside it, the check itself runs. ``__wrapped__`` is the check."""
+    inside it (or given keywords, as the kit's own tests do), the check itself runs. ``__wrapped__`` is
+    the check."""
     def decorate(fn):
         @functools.wraps(fn)
         def wrapper(*objects: Any, **kwargs: Any) -> Result:

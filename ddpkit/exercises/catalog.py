@@ -3,8 +3,8 @@ not use.
 
 ``checks`` maps a check's name (the otter test case's name too) to the check function (``module:name``)
 and the contract names it is called with. ``forbidden`` lists the implementations that would answer the
-exercise for the learner, the kit's own and PyTorch's, each with the sentence a learner gets when the
-sandbox sees one of them run on behalf of their code (:class:`ddpkit.exercises.witness.ForbiddenCalls`).
+exercise for the learner, the kit's own and PyTorch's, each with the sentence a learner gets when one of
+them runs in a process that runs their code (:func:`ddpkit.exercises.witness.watch`).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ class Exercise:
     checks: dict[str, tuple[str, tuple[str, ...]]]  # check name -> (function ref, contract names)
     forbidden: dict[str, str] = field(default_factory=dict)  # ref -> sentence
     budget_units: float = 150.0  # the check's wall-clock limit, in baselines (see timing.py)
+    trains: bool = False  # its ranks take optimizer steps: the sandbox imports what a first step loads, once
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -44,7 +45,8 @@ EXERCISES = [
               "torch.utils.data.distributed:DistributedSampler": "uses torch's DistributedSampler, the class this "
                                                                   "exercise rebuilds: write the partition yourself"}),
     Exercise("03_state_bytes", {"state_bytes": ("ddpkit.exercises.memory:check_state_bytes", ("state_bytes",))},
-             {"ddpkit.parallel.memory:bytes_per_rank": KIT.format(what="calculator", ref="ddpkit.parallel.memory")}),
+             {"ddpkit.parallel.memory:bytes_per_rank": KIT.format(what="calculator", ref="ddpkit.parallel.memory")},
+             trains=True),
     Exercise("04_broadcast_parameters",
              {"broadcast_parameters": ("ddpkit.exercises.init:check_broadcast_parameters", ("broadcast_parameters",))},
              {DDP: "wraps the model in torch's DistributedDataParallel, which does the broadcast for you: send the "
@@ -53,7 +55,8 @@ EXERCISES = [
                                                              "send the parameters yourself"}),
     Exercise("05_train_step", {"train_step": ("ddpkit.exercises.step:check_train_step", ("train_step",))},
              {"ddpkit.step:train_step": KIT.format(what="train step", ref="ddpkit.step.train_step"),
-              "ddpkit.step:MicroStep": KIT.format(what="micro-step", ref="ddpkit.step.MicroStep")}),
+              "ddpkit.step:MicroStep": KIT.format(what="micro-step", ref="ddpkit.step.MicroStep")},
+             trains=True),
     Exercise("05_ddp_from_scratch", {"naive": ("ddpkit.exercises.ddp:check_naive_ddp", ("NaiveDDP",)),
                                      "overlap": ("ddpkit.exercises.ddp:check_overlap_ddp", ("OverlapDDP",)),
                                      "buckets": ("ddpkit.exercises.ddp:check_bucketed_ddp", ("BucketedDDP",))},
@@ -62,7 +65,8 @@ EXERCISES = [
               "torch.distributed._composable.replicate:replicate": "runs torch's replicate (DDP underneath): build the "
                                                                      "hooks and buckets yourself",
               "ddpkit.parallel.ddp:DDPStrategy": KIT.format(what="DDP strategy", ref="ddpkit.parallel.ddp")},
-             budget_units=400.0),
+             budget_units=400.0,
+             trains=True),
     Exercise("06_checkpoint", {"checkpoint": ("ddpkit.exercises.checkpointing:check_checkpoint", ("save_fn", "load_fn"))},
              {"ddpkit.files:atomic_write": KIT.format(what="atomic writer", ref="ddpkit.files"),
               "ddpkit.files:write_atomic": KIT.format(what="atomic writer", ref="ddpkit.files"),
@@ -83,13 +87,15 @@ EXERCISES = [
     Exercise("10_zero1", {"zero1": ("ddpkit.exercises.sharding:check_zero1", ("ZeroAdamW",))},
              {"ddpkit.parallel.zero:ZeroAdamW": KIT.format(what="ZeRO-1 optimizer", ref="ddpkit.parallel.zero.ZeroAdamW"),
               "torch.distributed.optim.zero_redundancy_optimizer:ZeroRedundancyOptimizer":
-                  "uses torch's ZeroRedundancyOptimizer, the feature this exercise rebuilds: shard the state yourself"}),
+                  "uses torch's ZeroRedundancyOptimizer, the feature this exercise rebuilds: shard the state yourself"},
+             trains=True),
     Exercise("10_fsdp_from_scratch", {"fsdp": ("ddpkit.exercises.fsdp:check_fsdp", ("MyFSDP",))},
              {"torch.distributed.fsdp.fully_sharded_data_parallel:FullyShardedDataParallel":
                   "runs torch's FSDP, the feature this exercise rebuilds: gather and scatter the shards yourself",
               "torch.distributed.fsdp._fully_shard._fully_shard:fully_shard":
                   "runs torch's fully_shard (FSDP2), the feature this exercise rebuilds: gather and scatter yourself",
-              "ddpkit.parallel.fsdp:FSDPStrategy": KIT.format(what="FSDP strategy", ref="ddpkit.parallel.fsdp")}),
+              "ddpkit.parallel.fsdp:FSDPStrategy": KIT.format(what="FSDP strategy", ref="ddpkit.parallel.fsdp")},
+             trains=True),
     Exercise("10b_reshard_after_forward",
              {"held_between": ("ddpkit.exercises.resharding_memory:check_held_between", ("held_between",))},
              {"ddpkit.parallel.memory:bytes_per_rank": KIT.format(what="calculator", ref="ddpkit.parallel.memory"),
@@ -97,7 +103,8 @@ EXERCISES = [
               "ddpkit.parallel.fsdp_depth:calculator_bytes": KIT.format(what="calculator", ref="ddpkit.parallel.fsdp_depth"),
               "torch.distributed.fsdp._fully_shard._fully_shard:fully_shard":
                   "runs torch's fully_shard to measure the answer: count the bytes from the shapes yourself"},
-             budget_units=250.0),
+             budget_units=250.0,
+             trains=True),
     Exercise("11_load_shard", {"load_shard": ("ddpkit.exercises.resharding:check_load_shard", ("load_shard",))}),
     Exercise("12_f_and_g", {"f_and_g": ("ddpkit.exercises.tensor:check_f_and_g", ("copy_to_parallel", "reduce_from_parallel"))},
              {"ddpkit.parallel.tensor:CopyToTP": KIT.format(what="f", ref="ddpkit.parallel.tensor"),
@@ -160,7 +167,8 @@ EXERCISES = [
               "ddpkit.step:train_step": KIT.format(what="train step", ref="ddpkit.step.train_step"),
               "ddpkit.step:MicroStep": KIT.format(what="micro-step", ref="ddpkit.step.MicroStep"),
               "ddpkit.files:atomic_write": KIT.format(what="atomic writer", ref="ddpkit.files")},
-             budget_units=500.0),
+             budget_units=500.0,
+             trains=True),
 ]
 
 BY_ID = {e.id: e for e in EXERCISES}

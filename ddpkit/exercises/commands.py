@@ -23,8 +23,11 @@ def run_command(args) -> int:
         import otter  # noqa: F401
     except ImportError:
         return _refuse("the exercises commands use otter-grader: pip install 'ddpkit[grader]'")
-    from ddpkit.exercises import bundle
+    from ddpkit.exercises import autograde, bundle
 
+    if not (autograde.EXERCISES_DIR / "solutions").is_dir():
+        return _refuse(f"ddpkit exercises {args.action} works from a clone of the repository (it reads exercises/solutions/, "
+                       f"not in this install): git clone https://github.com/ddpkit/ddpkit and run it there")
     try:
         if args.action == "export":
             folder = bundle.export(args.folder)

@@ -9,17 +9,17 @@ compared as a set) nor the shuffle (the learner's, deterministic in seed and epo
 It runs the sampler in every rank of a real job (a sampler that uses the process's global RNG, say,
 shuffles differently on each rank and is caught), and checks, in order: complete and disjoint epochs,
 every epoch training (not only the first), ``len``, determinism, a new order each epoch, a mid-epoch
-resume, and the same global stream on another world size.
+resume, and the same global stream on another world size. The seed is drawn when it runs.
 """
 
 from __future__ import annotations
 
 from ddpkit.exercises import Result, Wrong, graded, run_on_ranks
 
-N, G, SEED, EPOCHS = 100, 12, 7, 3  # 100 samples, global batch 12: epochs of 96, 4 left out
+N, G, EPOCHS = 100, 12, 3  # 100 samples, global batch 12: epochs of 96, 4 left out
 
 
-def _epochs(cls, world_size: int, rank: int, seed: int = SEED) -> list[list[int]]:
+def _epochs(cls, world_size: int, rank: int, seed: int) -> list[list[int]]:
     """This rank's indices for each epoch, asked the way a training loop asks: position, then iterate."""
     out = []
     for epoch in range(EPOCHS):
@@ -32,11 +32,11 @@ def _epochs(cls, world_size: int, rank: int, seed: int = SEED) -> list[list[int]
     return out
 
 
-def _on_rank(ctx, cls, world_size: int, start: int) -> dict:
-    resumed = cls(N, world_size, ctx.rank, G, SEED)
+def _on_rank(ctx, cls, world_size: int, start: int, seed: int) -> dict:
+    resumed = cls(N, world_size, ctx.rank, G, seed)
     resumed.set_consumed(start)
-    return {"stream": _epochs(cls, world_size, ctx.rank), "again": _epochs(cls, world_size, ctx.rank),
-            "other_seed": _epochs(cls, world_size, ctx.rank, SEED + 1), "resumed": [int(i) for i in iter(resumed)]}
+    return {"stream": _epochs(cls, world_size, ctx.rank, seed), "again": _epochs(cls, world_size, ctx.rank, seed),
+            "other_seed": _epochs(cls, world_size, ctx.rank, seed + 1), "resumed": [int(i) for i in iter(resumed)]}
 
 
 def _global_batches(per_rank: list[list[int]]) -> list[set[int]]:
@@ -77,12 +77,15 @@ def _check_world(runs: list[dict], world: int) -> list[list[set[int]]]:
 @graded("02_sampler", "sampler")
 def check_sampler(cls) -> Result:
     """Check a ``ResumableDistributedSampler``-like class on 2 and 3 ranks (see the module docstring)."""
+    import random
+
     start = G * 3  # resume after 3 global batches of epoch 0
+    seed = random.SystemRandom().randrange(1, 2**20)
     streams = {}
     for world in (2, 3, 4):
         if G % world:
             continue
-        runs = run_on_ranks(getattr(cls, "__name__", "the sampler"), _on_rank, cls, world, start, world_size=world)
+        runs = run_on_ranks(getattr(cls, "__name__", "the sampler"), _on_rank, cls, world, start, seed, world_size=world)
         if isinstance(runs, Result):
             return runs
         try:

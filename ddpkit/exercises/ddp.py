@@ -8,15 +8,18 @@
    all-reduce per bucket, launched as soon as the bucket's last gradient is ready.
 
 What every stage's check measures, on 2, 3 and 4 real ranks, for 3 SGD steps from a different
-initialisation on each rank, each rank on its own samples, for a model with a frozen parameter (it has no
-gradient) and a weight shared by two layers (one parameter, one gradient): the parameters must equal, on
-every rank, those of one process that averages the ranks' gradients itself (atol 1e-6; a sum, a division
-by a hard-coded 2, a missing broadcast all show). Every c10d operation is recorded at the dispatcher
+initialisation on each rank, each rank on its own samples (seeds and samples drawn when it runs; a rank
+is given only its own), for a model with a frozen parameter (it has no gradient) and a weight shared by
+two layers (one parameter, one gradient): the parameters must equal, on every rank, those of one process
+that averages the ranks' gradients, which the grader computes itself (atol 1e-6; a sum, a division by a
+hard-coded 2, a missing broadcast all show). Every c10d operation is recorded at the dispatcher
 (:class:`ddpkit.exercises.witness.Collectives`) with its bytes, launch and completion times, and every
-``wait()`` on a collective's work while backward runs is recorded too. Stage 2 and 3 must launch their
-all-reduces while backward runs and never wait for one inside backward; how many completed before
-backward ended is reported with the verdict, not required (whether gloo's thread finishes one before the
-last layer's backward depends on the machine's load). Stage 2 issues one all-reduce per
+wait for a collective's completion while backward runs is counted (``Work.wait`` and its kin, a future's
+``wait`` or ``value``, ``torch.futures.wait_all``, polling ``is_completed``: :class:`_Waits`). Stage 2 and
+3 must launch their all-reduces while backward runs and never wait for one inside backward: that is what
+makes overlap possible, and what is required. How many completed before backward ended is reported with
+the verdict, not required: whether gloo's thread finishes one before the last layer's backward depends
+on the machine's load (a correct wrapper on a quiet CI machine was seen with none). Stage 2 issues one all-reduce per
 trainable parameter; stage 3's all-reduces carry, in launch order, the buckets that ``bucket_bytes``
 makes (:func:`bucket_plans`: either usual rule, either order), tried with two bucket sizes. Torch's
 ``DistributedDataParallel`` (and ``replicate``) are refused when they run on the learner's behalf.
@@ -29,7 +32,7 @@ import time
 import torch
 import torch.nn as nn
 
-from ddpkit.exercises import Result, Wrong, graded, run_on_ranks
+from ddpkit.exercises import Result, graded, run_on_ranks
 
 STEPS, LR, BATCH, WIDTH = 3, 0.1, 512, 64
 
@@ -45,19 +48,26 @@ def _model(seed: int) -> nn.Module:
     return model
 
 
-def _batch(step: int, rank: int):
-    gen = torch.Generator().manual_seed(100 * step + rank)
-    return torch.randn(BATCH, WIDTH, generator=gen), torch.randint(0, 4, (BATCH,), generator=gen)
+def _draw(world: int) -> tuple[list[int], list[list]]:
+    """Each rank's initial seed and its samples for every step, drawn now: a rank is given only its own."""
+    import secrets
+
+    gen = torch.Generator().manual_seed(secrets.randbits(62))
+    seeds = [secrets.randbits(31) for _ in range(world)]
+    data = [[(torch.randn(BATCH, WIDTH, generator=gen), torch.randint(0, 4, (BATCH,), generator=gen))
+             for _ in range(STEPS)] for _ in range(world)]
+    return seeds, data
 
 
-def _reference(world: int) -> list[torch.Tensor]:
-    """One process: rank 0's initial weights, each step the mean of every rank's gradient, SGD."""
-    model = _model(100)
+def _reference(seed: int, data: list[list]) -> list[torch.Tensor]:
+    """One process: rank 0's initial weights (``seed``), each step the mean of every rank's gradient, SGD."""
+    model = _model(seed)
     trainable = [p for p in model.parameters() if p.requires_grad]
+    world = len(data)
     for step in range(STEPS):
         total = [torch.zeros_like(p) for p in trainable]
         for rank in range(world):
-            x, y = _batch(step, rank)
+            x, y = data[rank][step]
             model.zero_grad()
             nn.functional.cross_entropy(model(x), y).backward()
             for t, p in zip(total, trainable):
@@ -69,36 +79,66 @@ def _reference(world: int) -> list[torch.Tensor]:
 
 
 class _Waits:
-    """Records ``Work.wait()`` calls made while backward runs (class-level, so every alias is seen)."""
+    """Counts the waits for a collective's completion made while backward runs, by any of the ways torch
+    offers: ``Work.wait``, ``synchronize``, ``get_future_result``, ``result`` before completion, a future's
+    ``wait`` (``work.get_future().wait()``, ``torch.futures.wait_all``), its ``value()`` before it is done,
+    and polling ``is_completed()`` (a third "not yet" for one work is a wait by other means). Patched on
+    the classes, so every alias and every work object is seen."""
 
     def __init__(self) -> None:
         from torch.distributed.distributed_c10d import Work
 
-        self.work, self.original, self.in_backward, self.during_backward = Work, Work.wait, False, 0
+        self.in_backward, self.during_backward, self.polls, self.patched = False, 0, {}, []
+        poll = Work.is_completed
+        self._count(Work, "wait")
+        self._count(Work, "synchronize")
+        self._count(Work, "get_future_result")
+        self._count(Work, "result", lambda work: not poll(work))
+        self._count(torch._C.Future, "wait")
+        self._count(torch._C.Future, "value", lambda future: not future.done())
         waits = self
 
-        def wait(work, *args, **kwargs):
-            if waits.in_backward:
-                waits.during_backward += 1
-            return waits.original(work, *args, **kwargs)
+        def is_completed(work, *args, **kwargs):
+            done = poll(work, *args, **kwargs)
+            if waits.in_backward and not done:
+                waits.polls[id(work)] = waits.polls.get(id(work), 0) + 1
+                if waits.polls[id(work)] == 3:
+                    waits.during_backward += 1
+            return done
 
-        Work.wait = wait
+        self.patched.append((Work, "is_completed", poll))
+        Work.is_completed = is_completed
+
+    def _count(self, owner, name: str, only_if=None) -> None:
+        original = getattr(owner, name, None)
+        if original is None:
+            return
+        waits = self
+
+        def counted(obj, *args, **kwargs):
+            if waits.in_backward and (only_if is None or only_if(obj)):
+                waits.during_backward += 1
+            return original(obj, *args, **kwargs)
+
+        self.patched.append((owner, name, original))
+        setattr(owner, name, counted)
 
     def close(self) -> None:
-        self.work.wait = self.original
+        for owner, name, original in reversed(self.patched):
+            setattr(owner, name, original)
 
 
-def _on_rank(ctx, cls, bucket_bytes: int | None) -> dict:
+def _on_rank(ctx, cls, bucket_bytes: int | None, seed: int, batches: list) -> dict:
     from ddpkit.exercises.witness import Collectives
 
-    model = _model(100 + ctx.rank)  # each rank initialised differently: the wrapper must broadcast
+    model = _model(seed)  # each rank initialised differently: the wrapper must broadcast
     wrapped = cls(model) if bucket_bytes is None else cls(model, bucket_bytes)
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
     steps = []
     waits = _Waits()
     try:
         for step in range(STEPS):
-            x, y = _batch(step, ctx.rank)
+            x, y = batches[step]
             with Collectives() as seen:
                 loss = nn.functional.cross_entropy(wrapped(x), y)
                 waits.in_backward, waits.during_backward = True, 0
@@ -130,10 +170,12 @@ def _correct(name: str, cls, bucket_bytes: int | None = None) -> tuple[list, Res
     """Run the stage on 2, 3 and 4 ranks; the runs, or the sentence for the first wrong thing seen."""
     runs_by_world = []
     for world in (2, 3, 4):
-        runs = run_on_ranks(name, _on_rank, cls, bucket_bytes, world_size=world)
+        seeds, data = _draw(world)
+        runs = run_on_ranks(name, _on_rank, cls, bucket_bytes, world_size=world,
+                            rank_args=[(seeds[r], data[r]) for r in range(world)])
         if isinstance(runs, Result):
             return [], runs
-        expected = _reference(world)
+        expected = _reference(seeds[0], data)
         for rank, run in enumerate(runs[1:], 1):
             if any(float((a - b).abs().max()) > 1e-6 for a, b in zip(run["params"], runs[0]["params"])):
                 return [], Result(False, f"on {world} ranks, rank {rank} ends with other parameters than rank 0: do "
@@ -141,7 +183,7 @@ def _correct(name: str, cls, bucket_bytes: int | None = None) -> tuple[list, Res
         for rank, run in enumerate(runs):
             diff = max(float((a - b).abs().max()) for a, b in zip(run["params"], expected))
             if diff > 1e-6:
-                if world > 2 and _ratio_hint(runs[0]["params"], expected):
+                if world > 2 and _ratio_hint(runs[0]["params"], expected, seeds[0]):
                     return [], Result(False, f"on {world} ranks the parameters move by the wrong amount: is the gradient "
                                              f"divided by the number of ranks, whatever it is?")
                 return [], Result(False, f"on {world} ranks, after {STEPS} steps the parameters differ from averaging "
@@ -151,8 +193,8 @@ def _correct(name: str, cls, bucket_bytes: int | None = None) -> tuple[list, Res
     return runs_by_world, None
 
 
-def _ratio_hint(got: list[torch.Tensor], want: list[torch.Tensor]) -> bool:
-    start = _model(100)
+def _ratio_hint(got: list[torch.Tensor], want: list[torch.Tensor], seed: int) -> bool:
+    start = _model(seed)
     moved = torch.cat([(g - s.detach()).flatten() for g, s in zip(got, start.parameters())])
     wanted = torch.cat([(w - s.detach()).flatten() for w, s in zip(want, start.parameters())])
     return float(wanted.norm()) > 0 and abs(float(moved.norm() / wanted.norm()) - 1) > 0.05

@@ -8,9 +8,10 @@ first collective they do not all agree on, and that collective's sequence number
 
 The check makes the dumps from real runs of mismatched collectives (every rank all-reduces twice,
 except one rank whose second call differs, as in :func:`ddpkit.debug.mismatch.mismatched_collective`;
-each rank dumps its ring as soon as it has issued the second call) on 3 ranks with rank 2 calling
-``broadcast`` instead, and on 4 ranks with rank 0 doing so. The second run is the one
-torch's analyzer gets wrong: it compares every rank with the first and so blames the three that agree.
+each rank dumps its ring as soon as it has issued the second call) on 3 ranks with rank 1 or 2 (drawn)
+calling ``broadcast`` instead, and on 4 ranks with rank 0 doing so, after a number of agreeing
+all-reduces drawn when it runs. The second run is the one torch's analyzer gets wrong: it compares every
+rank with the first and so blames the three that agree.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import time
 
 from ddpkit.exercises import Result, graded
 
-RUNS = ((3, 2, "broadcast"), (4, 0, "broadcast"))  # (world, odd rank, what it calls instead of all_reduce)
+RUNS = ((3, (1, 2), "broadcast"), (4, (0,), "broadcast"))  # (world, odd rank drawn from, what it calls instead)
 TIMEOUT_S = 10.0  # no rank waits on the mismatch: the limit only bounds a surprise
 
 
@@ -29,7 +30,7 @@ class _Dumped(Exception):
     """Raised by every rank once its ring is on disk: the run ends there, as the failed run would."""
 
 
-def _mismatched(ctx, odd: int, case: str, folder: str) -> None:
+def _mismatched(ctx, odd: int, case: str, folder: str, lead: int = 1) -> None:
     """Every rank all-reduces 4 float32 twice, except ``odd``, whose second call is a broadcast. The second
     call is issued without waiting (the recorder logs a call when it is issued) and every rank dumps its ring
     at once, so no rank waits for a timeout. (A call of another dtype or shape can bring a rank down inside
@@ -39,7 +40,8 @@ def _mismatched(ctx, odd: int, case: str, folder: str) -> None:
 
     from ddpkit.debug import flight
 
-    dist.all_reduce(torch.ones(4))
+    for _ in range(lead):
+        dist.all_reduce(torch.ones(4))
     if ctx.rank == odd:
         dist.broadcast(torch.ones(4), src=odd, async_op=True)  # the mismatch: the others all-reduce here
     else:
@@ -51,7 +53,7 @@ def _mismatched(ctx, odd: int, case: str, folder: str) -> None:
     raise _Dumped("dumped")
 
 
-def _dumps(world: int, odd: int, case: str) -> dict | Result:
+def _dumps(world: int, odd: int, case: str, lead: int = 1) -> dict | Result:
     from ddpkit.debug import flight
     from ddpkit.failures import LaunchError
     from ddpkit.launch import launch
@@ -59,7 +61,7 @@ def _dumps(world: int, odd: int, case: str) -> dict | Result:
     folder = tempfile.mkdtemp(prefix="ddpkit-check-flight-")
     with flight.recording(entries=16):
         try:
-            launch(_mismatched, odd, case, folder, world_size=world, backend="gloo", timeout=TIMEOUT_S,
+            launch(_mismatched, odd, case, folder, lead, world_size=world, backend="gloo", timeout=TIMEOUT_S,
                    output="none", progress="off")
         except LaunchError:
             pass  # every rank raises once it has dumped
@@ -80,20 +82,26 @@ def check_culprit(fn) -> Result:
         flight.require()
     except RuntimeError as exc:
         return Result(False, f"this torch cannot dump the Flight Recorder on gloo, so the check cannot run: {str(exc)[:90]}")
-    for world, odd, case in RUNS:
-        dumps = _dumps(world, odd, case)
+    import random
+
+    from ddpkit.exercises import learner, not_implemented
+
+    rng = random.SystemRandom()
+    for world, odds, case in RUNS:
+        odd = rng.choice(odds)
+        dumps = _dumps(world, odd, case, lead=rng.randint(1, 3))
         if isinstance(dumps, Result):
             return dumps
         try:
             got = fn({r: d for r, d in dumps.items()})
         except NotImplementedError:
-            from ddpkit.exercises import not_implemented
-
             return not_implemented(getattr(fn, "__name__", "culprit"))
-        except Exception as exc:  # noqa: BLE001
-            return Result(False, f"culprit raised {type(exc).__name__}: {str(exc)[:100]}")
-        if not (isinstance(got, tuple) and len(got) == 2):
-            return Result(False, f"culprit returned {got!r:.60}: return the pair (rank, seq)")
+        except learner.Raised as exc:
+            return Result(False, exc.sentence("culprit"))
+        except Exception as exc:  # noqa: BLE001 - called here, outside the sandbox
+            return Result(False, f"culprit raised {type(exc).__name__}: {learner.short(str(exc))}")
+        if not (isinstance(got, (tuple, list)) and len(got) == 2):
+            return Result(False, f"culprit returned {type(got).__name__}: return the pair (rank, seq)")
         rank, seq = got
         if rank != odd:
             agree = "the first rank" if odd == 0 else "the others"

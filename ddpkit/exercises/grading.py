@@ -131,6 +131,10 @@ def main(paths: list[str], jobs: int = 1, out: str = "grades", time_scale: float
     except ImportError:
         print("ddpkit: error: ddpkit check grades with otter-grader: pip install 'ddpkit[grader]'", file=sys.stderr)
         return 2
+    if not (autograde.EXERCISES_DIR / "solutions").is_dir():
+        print("ddpkit: error: ddpkit check works from a clone of the repository (its autograders are built from "
+              "exercises/solutions/): git clone https://github.com/ddpkit/ddpkit and run it there", file=sys.stderr)
+        return 2
     autograde.TIME_SCALE["value"] = time_scale
     graded = grade_all(paths, jobs)
     if not graded:

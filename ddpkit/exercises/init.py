@@ -1,12 +1,15 @@
 """Check for notebook 04's exercise: start every replica from the same weights.
 
 The contract: ``broadcast_parameters(model)``: after it returns, every rank holds rank 0's parameters
-(what ``DistributedDataParallel`` does when it wraps a model). The check builds the model with a
+(what ``DistributedDataParallel`` does when it wraps a model). The check builds the model from a
 different seed on each of 2, 3 and 4 real ranks (a frozen parameter and a weight shared by two layers
-included), calls it, and compares every rank's parameters with rank 0's before the call.
+included; the seeds are drawn when it runs and each rank knows only its own), calls it, and compares
+every rank's parameters with rank 0's before the call.
 """
 
 from __future__ import annotations
+
+import random
 
 import torch
 import torch.nn as nn
@@ -14,9 +17,8 @@ import torch.nn as nn
 from ddpkit.exercises import Result, graded, run_on_ranks
 
 
-
-def _on_rank(ctx, fn) -> dict:
-    torch.manual_seed(100 + ctx.rank)  # every rank initialises differently, as unseeded processes would
+def _on_rank(ctx, fn, seed: int) -> dict:
+    torch.manual_seed(seed)  # every rank initialises differently, as unseeded processes would
     model = nn.Sequential(nn.Linear(6, 12), nn.ReLU(), nn.Linear(12, 12), nn.Linear(12, 12), nn.Linear(12, 3))
     model[3].weight = model[2].weight  # tied: one parameter, two layers
     model[0].bias.requires_grad_(False)  # frozen: still part of the replica
@@ -27,13 +29,15 @@ def _on_rank(ctx, fn) -> dict:
 
 @graded("04_broadcast_parameters", "broadcast_parameters")
 def check_broadcast_parameters(fn) -> Result:
+    rng = random.SystemRandom()
     for world in (2, 3, 4):
-        runs = run_on_ranks(getattr(fn, "__name__", "broadcast_parameters"), _on_rank, fn, world_size=world)
+        runs = run_on_ranks(getattr(fn, "__name__", "broadcast_parameters"), _on_rank, fn, world_size=world,
+                            rank_args=[(rng.getrandbits(31),) for _ in range(world)])
         if isinstance(runs, Result):
             return runs
         source = runs[0]["before"]
         for rank, run in enumerate(runs):
-            if all(torch.equal(a, b) for a, b in zip(run["after"], source)):
+            if len(run["after"]) == len(source) and all(torch.equal(a, b) for a, b in zip(run["after"], source)):
                 continue
             owners = [r for r in range(world) if all(torch.equal(a, b) for a, b in zip(run["after"], runs[r]["before"]))]
             if owners == [rank]:

@@ -16,6 +16,12 @@ no table of answers can pass), and requires for each shape:
    per-rank generator, :func:`ddpkit.parallel.pipeline_schedules.torch_order`); an order with the same
    bubble that holds more activations (a warm-up longer than needed) is told so.
 
+Before the clock, the orders of the 2-rank shapes are run for real on 2 gloo ranks
+(:mod:`ddpkit.exercises.schedule_run`): every forward and backward a real chunk, every activation and
+gradient a tagged message. An order that deadlocks hangs there (both ranks idle: given up on within
+seconds) and the clock's reading of it names why; an order that runs must give every chunk the whole
+model's gradients.
+
 A wrong order gets one sentence that names what went wrong, not the order to write: a warm-up too short
 for the micro-batch to come back, backwards that leave the rank's chunks in the wrong order, or the idle
 time the order costs.
@@ -25,7 +31,7 @@ from __future__ import annotations
 
 import random
 
-from ddpkit.exercises import Result, graded, not_implemented
+from ddpkit.exercises import Result, graded, learner, not_implemented, run_on_ranks, schedule_run
 from ddpkit.parallel import pipeline_schedules as schedules
 from ddpkit.parallel.pipeline import Action
 
@@ -50,8 +56,34 @@ def _shape(p: int, v: int, m: int) -> str:
     return f"with p={p}, v={v}, m={m}"
 
 
-def _order(fn, rank: int, p: int, v: int, m: int) -> list[tuple[str, int, int]]:
-    return [(str(kind), int(chunk), int(micro)) for kind, chunk, micro in fn(rank, p, v, m)]
+def _orders(fn, shapes: list[tuple[int, int, int]]) -> list:
+    """Every rank's order for every shape, as plain tuples (one call, in the learner's process)."""
+    return [[[(str(kind), int(chunk), int(micro)) for kind, chunk, micro in fn(r, p, v, m)] for r in range(p)]
+            for p, v, m in shapes]
+
+
+def _for_real(cases: list, found: list) -> tuple[tuple, str] | None:
+    """Run the 2-rank shapes' orders on 2 gloo ranks; the shape and what went wrong, or None."""
+    import secrets
+
+    import torch
+
+    picked = [(shape, orders) for shape, orders in zip(cases, found) if shape[0] == 2]
+    if not picked:
+        return None
+    seed = secrets.randbits(31)
+    shapes = [shape for shape, _ in picked]
+    runs = run_on_ranks("interleaved_order", schedule_run.run, shapes, [orders for _, orders in picked], seed,
+                        world_size=2, idle_after=1.5)
+    if isinstance(runs, Result):
+        return shapes[0], runs.message
+    for k, (p, v, m) in enumerate(shapes):
+        want = schedule_run.expected_grads(p, v, m, seed)
+        for rank, run in enumerate(runs):
+            for chunk, grads in run[k].items():
+                if any(g is None or not torch.allclose(g, w, atol=1e-5) for g, w in zip(grads, want[chunk])):
+                    return (p, v, m), f"run for real on 2 ranks, chunk {chunk}'s gradient differs from the whole model's"
+    return None
 
 
 def _complete(order: list[tuple[str, int, int]], rank: int, p: int, v: int, m: int) -> str | None:
@@ -101,17 +133,30 @@ def _forwards_before_first_backward(rank: int, p: int, v: int, m: int) -> int:
 @graded("13b_interleaved_order", "interleaved_order")
 def check_interleaved_order(fn) -> Result:
     cases = shapes()
-    for p, v, m in cases:
-        try:
-            orders = [_order(fn, r, p, v, m) for r in range(p)]
-        except NotImplementedError:
-            return not_implemented(getattr(fn, "__name__", "interleaved_order"))
-        except Exception as exc:  # noqa: BLE001
-            return Result(False, f"interleaved_order(rank, {p}, {v}, {m}) raised {type(exc).__name__}: {exc}")
+    try:
+        found = learner.call(_orders, fn, cases) if isinstance(fn, learner.LearnerRef) else _orders(fn, cases)
+    except NotImplementedError:
+        return not_implemented(getattr(fn, "__name__", "interleaved_order"))
+    except learner.Raised as exc:
+        return Result(False, exc.sentence("interleaved_order"))
+    except Exception as exc:  # noqa: BLE001 - called here, outside the sandbox
+        return Result(False, f"interleaved_order raised {type(exc).__name__}: {learner.short(str(exc))}")
+    for (p, v, m), orders in zip(cases, found):
         for r, order in enumerate(orders):
-            wrong = _complete(order, r, p, v, m)
+            wrong = _complete([tuple(a) for a in order], r, p, v, m)
             if wrong:
                 return Result(False, wrong)
+    failed = _for_real(cases, found)
+    if failed is not None:
+        (p, v, m), why = failed
+        orders = [[tuple(a) for a in order] for order in found[cases.index((p, v, m))]]
+        try:
+            schedules.simulate([[Action(*a) for a in order] for order in orders])
+        except ValueError:
+            return Result(False, _deadlock(orders, p, v, m))  # the clock says why it hung
+        return Result(False, f"{_shape(p, v, m)} {why}")
+    for (p, v, m), orders in zip(cases, found):
+        orders = [[tuple(a) for a in order] for order in orders]
         try:
             timeline = schedules.simulate([[Action(*a) for a in order] for order in orders])
         except ValueError:

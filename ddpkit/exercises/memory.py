@@ -43,24 +43,36 @@ def _measured(ctx) -> dict:
 
 @graded("03_state_bytes", "state_bytes")
 def check_state_bytes(fn) -> Result:
-    try:
-        for params, world in ((1_000, 4), (1_001, 4), (7_000_000_000, 8), (10, 3)):
-            for strategy in STAGES:
-                got, want = fn(params, strategy, world), expected(params, strategy, world)
-                for k, key in enumerate(("params", "grads", "optimizer")):
-                    if got.get(key) != want[key]:
-                        return Result(False, f"{strategy} with {params:,} parameters on {world} ranks: the {WHAT[k]} "
-                                             f"per rank are wrong: does this stage shard them, and how many bytes "
-                                             f"per element?")
-    except NotImplementedError:
-        return not_implemented(getattr(fn, "__name__", "state_bytes"))
+    import random
+
+    from ddpkit.exercises import learner
+
     runs = run_on_ranks(getattr(fn, "__name__", "state_bytes"), _measured, world_size=2)
     if isinstance(runs, Result):
         return runs
     measured = runs[0]
-    predicted = fn(measured["numel"], "ddp", 2)
-    if any(predicted[k] != measured[k] for k in ("params", "grads", "optimizer")):
+    rng = random.SystemRandom()
+    sizes = [(1_000, 4), (1_001, 4), (7_000_000_000, 8), (10, 3)]  # then two drawn now: no table of answers passes
+    sizes += [(rng.randint(2, 10**10), rng.randint(2, 16)) for _ in range(2)]
+    calls = [(params, strategy, world) for params, world in sizes for strategy in STAGES]
+    try:
+        answers = learner.many(fn, calls + [(measured["numel"], "ddp", 2)])
+    except NotImplementedError:
+        return not_implemented(getattr(fn, "__name__", "state_bytes"))
+    except learner.Raised as exc:
+        return Result(False, exc.sentence("state_bytes"))
+    for (params, strategy, world), got in zip(calls, answers):
+        want = expected(params, strategy, world)
+        if not isinstance(got, dict):
+            return Result(False, f"state_bytes returned {type(got).__name__}: return a dict with params, grads and optimizer")
+        for k, key in enumerate(("params", "grads", "optimizer")):
+            if got.get(key) != want[key]:
+                return Result(False, f"{strategy} with {params:,} parameters on {world} ranks: the {WHAT[k]} "
+                                     f"per rank are wrong: does this stage shard them, and how many bytes "
+                                     f"per element?")
+    predicted = answers[-1]
+    if any(predicted.get(k) != measured[k] for k in ("params", "grads", "optimizer")):
         return Result(False, "measured on 2 DDP ranks after an AdamW step, the bytes differ from the prediction for ddp: "
                              "count what each rank really holds")
-    return Result(True, f"every stage on 1,000 to 7 billion parameters, and DDP's bytes measured on 2 ranks "
-                        f"({measured['optimizer']:,} bytes of Adam moments)")
+    return Result(True, f"every stage on 10 to 7 billion parameters and 2 more drawn now, and DDP's bytes measured on "
+                        f"2 ranks ({measured['optimizer']:,} bytes of Adam moments)")

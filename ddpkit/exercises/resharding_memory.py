@@ -11,7 +11,8 @@ allocated throughout (the optimizer owns them).
 
 The check trains the model with FSDP2 on 3 and on 2 real gloo ranks, one step with each setting
 (:func:`ddpkit.parallel.fsdp_depth.run_fsdp`, whose ``held_between`` is measured from the live
-parameters), and compares every rank's measured bytes with the learner's answer.
+parameters), and compares every rank's measured bytes with the learner's answer. The model's width and
+depth are drawn when it runs, so the rows torch.chunk gives each rank differ from run to run.
 """
 
 from __future__ import annotations
@@ -19,15 +20,15 @@ from __future__ import annotations
 from ddpkit.exercises import Result, graded, run_on_ranks
 
 WORLDS = (3, 2)
-WIDTH, DEPTH = 10, 3  # 10 rows on 3 ranks: torch.chunk gives 4, 4 and 2
+WIDTHS, DEPTHS = (7, 10, 11, 13), (2, 3)  # 10 rows on 3 ranks: torch.chunk gives 4, 4 and 2; 7 gives 3, 3, 1
 
 
-def _measure(ctx) -> dict:
+def _measure(ctx, width: int, depth: int) -> dict:
     from ddpkit.parallel.fsdp_depth import make_model, run_fsdp
 
-    shapes = [tuple(p.shape) for p in make_model(WIDTH, DEPTH).parameters()]
-    return {"shapes": shapes, **{str(flag): run_fsdp(ctx, reshard_after_forward=flag, steps=1, width=WIDTH,
-                                                     depth=DEPTH)["held_between"] for flag in (True, False)}}
+    shapes = [tuple(p.shape) for p in make_model(width, depth).parameters()]
+    return {"shapes": shapes, **{str(flag): run_fsdp(ctx, reshard_after_forward=flag, steps=1, width=width,
+                                                     depth=depth)["held_between"] for flag in (True, False)}}
 
 
 @graded("10b_reshard_after_forward", "held_between")
@@ -38,34 +39,42 @@ def check_held_between(fn) -> Result:
         fsdp_depth.check_supported()
     except Exception as exc:  # noqa: BLE001 - an older torch: say so instead of failing the learner
         return Result(False, f"this torch cannot run FSDP2 on the CPU, so the check cannot measure it: {str(exc)[:100]}")
+    import random
+
+    from ddpkit.exercises import learner, not_implemented
+
+    rng = random.SystemRandom()
+    width, depth = rng.choice(WIDTHS), rng.choice(DEPTHS)
+    measured = {}
     for world in WORLDS:
-        runs = run_on_ranks("held_between", _measure, world_size=world)
+        runs = run_on_ranks("held_between", _measure, width, depth, world_size=world)
         if isinstance(runs, Result):
             return runs
+        measured[world] = runs
+    calls = [([tuple(s) for s in runs[rank]["shapes"]], world, rank, flag)
+             for world, runs in measured.items() for rank in range(world) for flag in (True, False)]
+    try:
+        answers = dict(zip([(c[1], c[2], c[3]) for c in calls], learner.many(fn, calls)))
+    except NotImplementedError:
+        return not_implemented(getattr(fn, "__name__", "held_between"))
+    except learner.Raised as exc:
+        return Result(False, exc.sentence("held_between"))
+    for world, runs in measured.items():
         for rank, run in enumerate(runs):
             for flag in (True, False):
-                try:
-                    got = fn([tuple(s) for s in run["shapes"]], world, rank, flag)
-                except NotImplementedError:
-                    from ddpkit.exercises import not_implemented
-
-                    return not_implemented(getattr(fn, "__name__", "held_between"))
-                except Exception as exc:  # noqa: BLE001
-                    return Result(False, f"held_between raised {type(exc).__name__}: {str(exc)[:100]}")
-                measured = run[str(flag)]
-                if got == measured:
+                got, want = answers[(world, rank, flag)], run[str(flag)]
+                if got == want:
                     continue
-                where = f"on {world} ranks with reshard_after_forward={flag}, rank {rank}'s answer ({got:,} bytes) is"
                 if not isinstance(got, int):
                     return Result(False, f"held_between returned {type(got).__name__}: return the bytes as an int")
-                other = fn([tuple(s) for s in run["shapes"]], world, rank, not flag)
-                if other == measured:
+                where = f"on {world} ranks with reshard_after_forward={flag}, rank {rank}'s answer ({got:,} bytes) is"
+                if answers[(world, rank, not flag)] == want:
                     return Result(False, f"{where} what FSDP2 holds with the other setting: which one frees the gathered "
                                          f"parameters after forward?")
-                if not flag and got < measured:
+                if not flag and got < want:
                     return Result(False, f"{where} short of what FSDP2 holds: what stays allocated besides the gathered "
                                          f"parameters?")
-                return Result(False, f"{where} {'more' if got > measured else 'less'} than FSDP2 holds: how many rows of "
+                return Result(False, f"{where} {'more' if got > want else 'less'} than FSDP2 holds: how many rows of "
                                      f"each parameter does rank {rank} keep, with torch.chunk's cut?")
-    return Result(True, "every rank's bytes between forward and backward, as measured on FSDP2 with 3 and 2 ranks, "
-                        "resharded after forward or not")
+    return Result(True, f"every rank's bytes between forward and backward, as measured on FSDP2 with 3 and 2 ranks "
+                        f"(width {width}, depth {depth}), resharded after forward or not")

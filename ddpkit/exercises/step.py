@@ -11,7 +11,9 @@ process taking one big batch of all the ranks' samples (plain SGD, so the update
    behind (no ``zero_grad``) is caught;
 2. a grad scaler (loss scaled by 2^16) and a clip that binds: the update's norm must be lr x the clip.
 
-It accepts ``zero_grad`` first or last, and any order of operations that computes the same update.
+It accepts ``zero_grad`` first or last, and any order of operations that computes the same update. The
+samples are drawn when it runs; each rank is given only its own, and the big batch's update is computed
+by the grader.
 """
 
 from __future__ import annotations
@@ -29,9 +31,13 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
 
 
-def _data(step: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(1 + step)
-    return torch.randn(WORLD * ACCUM * MICRO, 8, generator=gen), torch.randint(0, 4, (WORLD * ACCUM * MICRO,), generator=gen)
+def _draw() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Every step's global batch, drawn now."""
+    import secrets
+
+    gen = torch.Generator().manual_seed(secrets.randbits(62))
+    return [(torch.randn(WORLD * ACCUM * MICRO, 8, generator=gen), torch.randint(0, 4, (WORLD * ACCUM * MICRO,), generator=gen))
+            for _ in range(STEPS)]
 
 
 def _rank_slice(rank: int) -> slice:
@@ -39,12 +45,12 @@ def _rank_slice(rank: int) -> slice:
     return slice(rank * per_rank, (rank + 1) * per_rank)
 
 
-def _reference(grad_clip: float, step: int = 0) -> tuple[dict[str, torch.Tensor], list[float]]:
+def _reference(data: list, grad_clip: float, step: int = 0) -> tuple[dict[str, torch.Tensor], list[float]]:
     """One process, one big batch: the SGD update of step ``step`` (after the earlier steps), and each rank's
     mean loss."""
     model = _model()
     for earlier in range(step):
-        x, y = _data(earlier)
+        x, y = data[earlier]
         model.zero_grad()
         nn.functional.cross_entropy(model(x), y).backward()
         norm = torch.sqrt(sum(p.grad.pow(2).sum() for p in model.parameters()))
@@ -53,7 +59,7 @@ def _reference(grad_clip: float, step: int = 0) -> tuple[dict[str, torch.Tensor]
             for p in model.parameters():
                 p -= LR * p.grad * scale
         model.zero_grad()
-    x, y = _data(step)
+    x, y = data[step]
     nn.functional.cross_entropy(model(x), y).backward()
     grads = [p.grad for p in model.parameters()]
     norm = torch.sqrt(sum(g.pow(2).sum() for g in grads))
@@ -64,7 +70,7 @@ def _reference(grad_clip: float, step: int = 0) -> tuple[dict[str, torch.Tensor]
     return update, losses
 
 
-def _on_rank(ctx, fn, grad_clip: float, scaled: bool) -> dict:
+def _on_rank(ctx, fn, grad_clip: float, scaled: bool, mine: list) -> dict:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from ddpkit.metrics import CommTimer
@@ -75,9 +81,7 @@ def _on_rank(ctx, fn, grad_clip: float, scaled: bool) -> dict:
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, enabled=scaled)
     for step in range(STEPS):  # the last step is compared: earlier ones must leave nothing behind
-        x, y = _data(step)
-        mine = _rank_slice(ctx.rank)
-        xs, ys = x[mine], y[mine]
+        xs, ys = mine[step]
         batches = [(xs[i * MICRO:(i + 1) * MICRO], ys[i * MICRO:(i + 1) * MICRO]) for i in range(ACCUM)]
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
         with torch.no_grad():  # the mean loss this rank must report, from its own parameters before the step
@@ -86,11 +90,25 @@ def _on_rank(ctx, fn, grad_clip: float, scaled: bool) -> dict:
         loss = fn(ddp, optimizer, scaler, batches, nn.functional.cross_entropy, grad_clip)
     if loss is None:
         raise Wrong("the step returned None: return this rank's mean loss over its micro-batches (a float)")
-    return {"update": {n: p.detach() - before[n] for n, p in model.named_parameters()}, "loss": float(loss),
+    return {"update": {n: p.detach() - before[n] for n, p in model.named_parameters()}, "before": before, "loss": float(loss),
             "own_loss": own_loss, "all_reduces": timer.calls}
 
 
-def _compare(runs: list[dict], expected: dict, losses: list[float], clip_binds: bool, grad_clip: float) -> None:
+def _big_batch_update(before: dict, batch: tuple, grad_clip: float) -> dict:
+    """The big batch's SGD update from the parameters ``before`` (the rank's own, before the compared step)."""
+    model = _model()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(before[n])
+    x, y = batch
+    nn.functional.cross_entropy(model(x), y).backward()
+    norm = torch.sqrt(sum(p.grad.pow(2).sum() for p in model.parameters()))
+    scale = min(1.0, grad_clip / float(norm))
+    return {n: -LR * p.grad * scale for n, p in model.named_parameters()}
+
+
+def _compare(runs: list[dict], expected: dict, losses: list[float], clip_binds: bool, grad_clip: float,
+             batch: tuple) -> None:
     for rank, run in enumerate(runs):
         if run["all_reduces"] != 1:
             if run["all_reduces"] == 0:
@@ -110,7 +128,9 @@ def _compare(runs: list[dict], expected: dict, losses: list[float], clip_binds: 
     ratio = float(got.norm() / want.norm()) if want.norm() > 0 else float("inf")
     if float(got.norm()) == 0:
         raise Wrong("the parameters did not change: call optimizer.step() (through scaler.step(optimizer))")
-    if abs(ratio - ACCUM) < 0.05 * ACCUM:
+    from_own = _big_batch_update(runs[0]["before"], batch, grad_clip)  # from where this rank's step started
+    own = torch.cat([from_own[n].flatten() for n in expected])
+    if torch.allclose(got, ACCUM * own, rtol=1e-3, atol=1e-6) or abs(ratio - ACCUM) < 0.05 * ACCUM:
         raise Wrong(f"the update is {ACCUM}x the big-batch one: the {ACCUM} micro-batches' gradients add up where a mean "
                     f"belongs")
     if clip_binds and ratio < 1e-3:
@@ -126,16 +146,19 @@ def _compare(runs: list[dict], expected: dict, losses: list[float], clip_binds: 
 @graded("05_train_step", "train_step")
 def check_train_step(fn) -> Result:
     """Check a train step on 2 ranks (see the module docstring)."""
-    unclipped, losses = _reference(1e9, STEPS - 1)
+    data = _draw()
+    unclipped, losses = _reference(data, 1e9, STEPS - 1)
     true_norm = float(torch.cat([g.flatten() for g in unclipped.values()]).norm()) / LR
     tight = 0.1 * true_norm  # a clip that binds
-    clipped, clipped_losses = _reference(tight, STEPS - 1)  # the first step was clipped too: other losses
+    clipped, clipped_losses = _reference(data, tight, STEPS - 1)  # the first step was clipped too: other losses
+    given = [([(x[_rank_slice(r)].clone(), y[_rank_slice(r)].clone()) for x, y in data],) for r in range(WORLD)]
     for scaled, grad_clip, expected, losses in ((False, 1e9, unclipped, losses), (True, tight, clipped, clipped_losses)):
-        runs = run_on_ranks(getattr(fn, "__name__", "train_step"), _on_rank, fn, grad_clip, scaled, world_size=WORLD)
+        runs = run_on_ranks(getattr(fn, "__name__", "train_step"), _on_rank, fn, grad_clip, scaled, world_size=WORLD,
+                            rank_args=given)
         if isinstance(runs, Result):
             return runs
         try:
-            _compare(runs, expected, losses, grad_clip < 1e9, grad_clip)
+            _compare(runs, expected, losses, grad_clip < 1e9, grad_clip, data[STEPS - 1])
         except Wrong as exc:
             return Result(False, str(exc))
     return Result(True, f"one all-reduce per step, the big batch's update with {ACCUM} micro-batches on {WORLD} ranks, and a "

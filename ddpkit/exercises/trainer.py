@@ -20,22 +20,46 @@ from ddpkit.exercises import Result, Wrong, graded, not_implemented, run_on_rank
 STEPS = 12
 
 
+def _config_answers(cls, cases: list[tuple[int, int, int]]) -> dict:
+    """What the learner's config class says for each (micro, accum, world), in its process."""
+    from ddpkit.exercises import learner
+
+    cls = learner.real(cls)
+    if not dataclasses.is_dataclass(cls):
+        return {"dataclass": False, "name": getattr(cls, "__name__", "TrainConfig")}
+    answers = []
+    for micro, accum, world in cases:
+        try:
+            cfg = cls(micro_batch_size=micro, grad_accum_steps=accum, world_size=world)
+        except TypeError as exc:
+            return {"dataclass": True, "type_error": str(exc)}
+        answers.append(cfg.global_batch_size)
+    return {"dataclass": True, "answers": answers}
+
+
 @graded("00_build_it_live", "config")
 def check_config_class(cls) -> Result:
+    import random
+
+    from ddpkit.exercises import learner
+
+    rng = random.SystemRandom()
+    cases = [(8, 2, 2), (4, 1, 8), (16, 4, 1), (rng.randint(1, 64), rng.randint(1, 8), rng.randint(2, 16))]
     try:
-        if not dataclasses.is_dataclass(cls):
-            return Result(False, f"{getattr(cls, '__name__', cls)} is not a dataclass: decorate it with @dataclass")
-        cases = [(8, 2, 2, 32), (4, 1, 8, 32), (16, 4, 1, 64)]
-        for micro, accum, world, want in cases:
-            cfg = cls(micro_batch_size=micro, grad_accum_steps=accum, world_size=world)
-            if cfg.global_batch_size != want:
-                return Result(False, f"micro {micro} x accum {accum} x world {world} gave global_batch_size "
-                                     f"{cfg.global_batch_size}: it must count every sample of a step, on every rank")
+        found = learner.run(_config_answers, cls, cases)
     except NotImplementedError:
         return not_implemented("TrainConfig")
-    except TypeError as exc:
-        return Result(False, f"TrainConfig(micro_batch_size=..., grad_accum_steps=..., world_size=...) failed ({exc}): "
-                             f"give it those three fields")
+    except learner.Raised as exc:
+        return Result(False, exc.sentence("TrainConfig"))
+    if not found["dataclass"]:
+        return Result(False, f"{found.get('name', 'TrainConfig')} is not a dataclass: decorate it with @dataclass")
+    if "type_error" in found:
+        return Result(False, f"TrainConfig(micro_batch_size=..., grad_accum_steps=..., world_size=...) failed "
+                             f"({learner.short(found['type_error'], 70)}): give it those three fields")
+    for (micro, accum, world), got in zip(cases, found["answers"]):
+        if got != micro * accum * world:
+            return Result(False, f"micro {micro} x accum {accum} x world {world} gave global_batch_size "
+                                 f"{got!r:.20}: it must count every sample of a step, on every rank")
     return Result(True, "global_batch_size = micro x accum x world, on the config, for every topology tried")
 
 
@@ -51,11 +75,14 @@ def _learner(ctx, run, cfg) -> str:
 
 @graded("00_build_it_live", "run")
 def check_trainer(run, steps: int = STEPS) -> Result:
+    import random
+
     from ddpkit import train
     from ddpkit.config import TrainConfig
     from ddpkit.launch import launch
 
-    cfg = TrainConfig(world_size=2, steps=steps, log_every=1000)
+    seed = random.SystemRandom().randrange(1, 10_000)  # drawn now: the final weights cannot be known in advance
+    cfg = TrainConfig(world_size=2, steps=steps, log_every=1000, seed=seed)
     hashes = run_on_ranks(getattr(run, "__name__", "run"), _learner, run, cfg, world_size=2, timeout=30)
     if isinstance(hashes, Result):
         return hashes
@@ -66,7 +93,21 @@ def check_trainer(run, steps: int = STEPS) -> Result:
     if hashes[0] != reference:
         return Result(False, f"after {steps} steps the parameters differ from ddpkit train's: compare, in order, the "
                              f"initial weights, the sampler's order, the loss, clipping and the learning-rate schedule")
-    return Result(True, f"bitwise ddpkit train: the same param_sha256 after {steps} steps on 2 ranks ({reference[:16]})")
+    return Result(True, f"bitwise ddpkit train: the same param_sha256 after {steps} steps on 2 ranks (seed {seed})")
+
+
+def _built(fn) -> dict:
+    """The model's initial weights and the optimizer's first settings, as the learner's function builds them."""
+    import torch
+
+    from ddpkit.config import TrainConfig
+
+    model, optimizer = fn(TrainConfig())
+    group = optimizer.param_groups[0]
+    return {"state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+            "adamw": isinstance(optimizer, torch.optim.AdamW), "optimizer": type(optimizer).__name__,
+            "lr": float(group["lr"]), "weight_decay": float(group["weight_decay"]),
+            "same_params": {id(p) for p in group["params"]} == {id(p) for p in model.parameters()}}
 
 
 @graded("00_build_it_live", "model_and_optimizer")
@@ -76,25 +117,28 @@ def check_model_and_optimizer(fn) -> Result:
     import torch
 
     from ddpkit.config import TrainConfig
+    from ddpkit.exercises import learner
     from ddpkit.models import build_model
     from ddpkit.step import lr_at
 
     cfg = TrainConfig()
     try:
-        model, optimizer = fn(cfg)
+        built = learner.run(_built, fn)
     except NotImplementedError:
         return not_implemented(getattr(fn, "__name__", "build_model_and_optimizer"))
-    except Exception as exc:  # noqa: BLE001
-        return Result(False, f"it raised {type(exc).__name__}: {exc}")
-    reference = build_model(cfg)
-    if any(not torch.equal(a, b) for a, b in zip(model.state_dict().values(), reference.state_dict().values())):
+    except learner.Raised as exc:
+        return Result(False, exc.sentence("build_model_and_optimizer"))
+    except Exception as exc:  # noqa: BLE001 - called here, outside the sandbox
+        return Result(False, f"it raised {type(exc).__name__}: {learner.short(str(exc))}")
+    reference = build_model(cfg).state_dict()
+    state = built["state"]
+    if list(state) != list(reference) or any(not torch.equal(state[k], reference[k]) for k in reference):
         return Result(False, "the initial weights differ from build_model(cfg)'s: build the model from the config's seed")
-    if not isinstance(optimizer, torch.optim.AdamW):
-        return Result(False, f"the optimizer is {type(optimizer).__name__}, not torch.optim.AdamW")
-    group = optimizer.param_groups[0]
-    if abs(group["lr"] - lr_at(cfg, 0)) > 1e-12 or abs(group["weight_decay"] - cfg.weight_decay) > 1e-12:
+    if not built["adamw"]:
+        return Result(False, f"the optimizer is {built['optimizer'][:40]}, not torch.optim.AdamW")
+    if abs(built["lr"] - lr_at(cfg, 0)) > 1e-12 or abs(built["weight_decay"] - cfg.weight_decay) > 1e-12:
         return Result(False, "the optimizer's first learning rate or weight decay is not the config's: where does the "
                              "schedule start, and which weight decay does the config give?")
-    if {id(p) for p in optimizer.param_groups[0]["params"]} != {id(p) for p in model.parameters()}:
+    if not built["same_params"]:
         return Result(False, "the optimizer does not hold this model's parameters")
     return Result(True, "ddpkit's initial weights and AdamW at the schedule's first learning rate")

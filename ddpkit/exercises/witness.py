@@ -1,50 +1,38 @@
 """What the learner's code really runs, seen from inside the process that runs it.
 
-Two witnesses, both installed by the sandbox before the learner's code is imported, so that no alias
-taken at import time escapes them:
-
-* :class:`ForbiddenCalls`: a ``sys.settrace`` function that notices when a function of the kit's own
-  answer (``ddpkit.parallel.comm.ring_all_reduce``...) or of the PyTorch feature an exercise rebuilds
-  (``DistributedDataParallel.__init__``...) starts running **on behalf of the learner's code** (a frame
-  of the submission is on the stack). It keys functions by file, name and first line, so a re-import,
-  an alias or a subclass of the forbidden function is the same function; only the call event is
-  traced, never lines.
+* :func:`watch`: the implementations an exercise must not use (the kit's own answer, the PyTorch
+  feature it rebuilds) are made to report every call. Each function's code is swapped for a small
+  trampoline that raises the audit event ``ddpkit.forbidden`` and then runs the original; the process's
+  :func:`~ddpkit.exercises.confine.install_guard` records the event. The function object itself keeps its
+  identity, so every alias, re-export, subclass, ``functools.partial``, thread, callback or ``exec``'d
+  caller reaches the trampoline; the learner's code may not swap the code back, read it, or import the
+  module again (the guard refuses all three). It is done in the process that runs the learner's code
+  before that code is loaded, and the grader's own code calls none of them there afterwards: any call
+  is the learner's.
 * :class:`Collectives`: a ``TorchDispatchMode`` that records every ``c10d`` operation (``allreduce_``,
   ``send``, ``recv_``, ``broadcast_``...) with its bytes. Every way to reach a collective from Python
-  (``dist.all_reduce``, an alias of it, the process group's own ``allreduce``, functional collectives,
-  a ``batch_isend_irecv``) goes through the dispatcher, so none escapes it; a blocking ``send`` is one
-  ``send`` operation, not two. Each operation's completion time is recorded from its work's future.
+  (``dist.all_reduce``, an alias, the process group's own ``allreduce``, functional collectives, a
+  ``batch_isend_irecv``) goes through the dispatcher; a blocking ``send`` is one ``send`` operation, not
+  two. Each operation's completion time is recorded from its work's future. (A dispatch mode belongs to
+  the thread that entered it.)
+* :func:`watch_files`: ``fsync`` and friends report the file they forced to disk; renames are seen by the
+  guard from the ``os.rename`` audit event, which every way of renaming raises.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import sys
-import threading
 import time
+import types
+import warnings
 from typing import Any
 
 import torch
 
 SUBMISSION_MODULE = "submission"  # the learner's code runs as this module inside the sandbox
-
-
-class Refused(Exception):
-    """Raised in the learner's call stack when it reaches a forbidden implementation."""
-
-
-def _code_objects(obj: Any) -> list:
-    """Every function code object of a function, a method, or a class and its own methods."""
-    if inspect.isclass(obj):
-        found = []
-        for value in vars(obj).values():
-            value = inspect.unwrap(getattr(value, "__func__", value))
-            if inspect.isfunction(value):
-                found.append(value.__code__)
-        return found
-    obj = inspect.unwrap(getattr(obj, "__func__", obj))  # decorated collectives share their wrapper's code
-    return [obj.__code__] if inspect.isfunction(obj) else []
 
 
 def resolve(ref: str) -> Any | None:
@@ -59,70 +47,127 @@ def resolve(ref: str) -> Any | None:
     return obj
 
 
-def _key(code) -> tuple[str, str, int]:
-    return (code.co_filename, code.co_name, code.co_firstlineno)
+def functions_of(obj: Any) -> list[types.FunctionType]:
+    """The Python functions behind ``obj``: a function and every function it wraps, or a class's own
+    methods (static, class and plain)."""
+    found: list[types.FunctionType] = []
+    if inspect.isclass(obj):
+        for value in vars(obj).values():
+            value = getattr(value, "__func__", value)
+            if inspect.isfunction(value):
+                found += functions_of(value)
+        return found
+    obj = getattr(obj, "__func__", obj)
+    seen = set()
+    while inspect.isfunction(obj) and id(obj) not in seen:
+        seen.add(id(obj))
+        found.append(obj)
+        obj = getattr(obj, "__wrapped__", None)
+    return found
 
 
-class ForbiddenCalls:
-    """Notices calls, made by the learner's code, into the forbidden implementations ``{ref: label}``."""
-
-    def __init__(self, forbidden: dict[str, str], learner_files: set[str], log: str | None = None) -> None:
-        self.log = log  # every process (ranks are forked) appends what it saw here
-        self.labels: dict[tuple[str, str, int], str] = {}
-        for ref, label in forbidden.items():
-            obj = resolve(ref)
-            for code in _code_objects(obj) if obj is not None else []:
-                self.labels[_key(code)] = label
-        self.learner_files = set(learner_files)
-        self.hits: list[str] = []
-
-    def label_of(self, obj: Any) -> str | None:
-        """The sentence for a contract object that *is* a forbidden implementation (or a partial of one, or
-        a class built on one): the check calls it directly, so no frame of the learner's is on the stack."""
-        obj = getattr(obj, "func", obj)  # functools.partial
-        for cls in inspect.getmro(obj) if inspect.isclass(obj) else (obj,):
-            for code in _code_objects(cls):
-                label = self.labels.get(_key(code))
-                if label is not None:
-                    return label
-        return None
-
-    def _from_learner(self, frame) -> bool:
-        while frame is not None:
-            if frame.f_code.co_filename in self.learner_files:
-                return True
-            frame = frame.f_back
-        return False
-
-    def _trace(self, frame, event, arg):  # the global trace function: call events only
-        if event == "call" and self.labels:
-            label = self.labels.get(_key(frame.f_code))
-            if label is not None and self._from_learner(frame.f_back) and label not in self.hits:
-                self.hits.append(label)
-                note(self.log, "forbidden", label)
-        return None
-
-    def install(self) -> None:
-        sys.settrace(self._trace)
-        threading.settrace(self._trace)
-
-    def still_installed(self) -> bool:
-        return sys.gettrace() == self._trace
+@functools.lru_cache(maxsize=None)
+def _trampoline(nfree: int) -> types.CodeType:
+    """``def f(*args, **kwargs): AUDIT(EVENT, LABEL, args[0]); return ORIGINAL(*args, **kwargs)`` with ``nfree``
+    unused free variables (a function's new code must have as many as its closure has cells). The four
+    names are string constants here, replaced by the objects themselves in each copy."""
+    names = [f"_cell{i}" for i in range(nfree)]
+    source = "def _outer():\n" + "".join(f"    {n} = None\n" for n in names)
+    source += "    def _watched(*args, **kwargs):\n"
+    if names:
+        source += "        if False:\n            " + ", ".join(names) + "\n"
+    source += "        '__AUDIT__'('__EVENT__', '__LABEL__', args[0] if args else None)\n"
+    source += "        return '__ORIGINAL__'(*args, **kwargs)\n"
+    source += "    return _watched\n"
+    namespace: dict = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "'str' object is not callable": it will be a function
+        exec(compile(source, __file__, "exec"), namespace)
+    return namespace["_outer"]().__code__
 
 
-def note(log: str | None, kind: str, text: str) -> None:
-    """Append one finding to the sandbox's log of findings (shared by its ranks)."""
-    if log:
-        with open(log, "a") as handle:
-            handle.write(f"{kind}\t{text}\n")
+def _watch_one(fn: types.FunctionType, label: str, event: str = "ddpkit.forbidden") -> None:
+    original = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    original.__kwdefaults__, original.__qualname__ = fn.__kwdefaults__, fn.__qualname__
+    code = _trampoline(len(fn.__code__.co_freevars))
+    values = {"__AUDIT__": sys.audit, "__EVENT__": event, "__LABEL__": label, "__ORIGINAL__": original}
+    fn.__code__ = code.replace(co_consts=tuple(values.get(c, c) if type(c) is str else c for c in code.co_consts),
+                               co_name=fn.__code__.co_name, co_qualname=fn.__code__.co_qualname)
 
 
-def findings(log: str) -> list[tuple[str, str]]:
-    try:
-        with open(log) as handle:
-            return [tuple(line.rstrip("\n").split("\t", 1)) for line in handle if "\t" in line]
-    except OSError:
-        return []
+def watch(forbidden: dict[str, str]) -> tuple[frozenset[str], frozenset[int]]:
+    """Make every function of the implementations ``{ref: sentence}`` raise ``ddpkit.forbidden`` with its
+    sentence when called; return (their module files, the functions' ids) for the guard."""
+    files, ids = set(), set()
+    for ref, label in forbidden.items():
+        obj = resolve(ref)
+        for fn in functions_of(obj) if obj is not None else []:
+            if getattr(fn, "_ddpkit_watched", False):
+                continue
+            files.add(fn.__code__.co_filename)
+            _watch_one(fn, label)
+            fn._ddpkit_watched = True
+            ids.add(id(fn))
+    return frozenset(files), frozenset(ids)
+
+
+def watch_threads() -> tuple[frozenset[str], frozenset[int]]:
+    """``threading.Thread.start`` raises ``ddpkit.thread`` (with the thread) before it starts one, and the
+    new thread raises ``ddpkit.thread_run`` (with itself) before it runs its target: the guard marks a
+    thread started while the learner's code was running as the learner's, whatever function it runs (a
+    thread pool's worker included). Returns (files, ids) as :func:`watch` does."""
+    import threading
+
+    start, bootstrap = threading.Thread.start, threading.Thread._bootstrap_inner
+    _watch_one(start, "thread", "ddpkit.thread")
+    _watch_one(bootstrap, "thread", "ddpkit.thread_run")
+    return frozenset({start.__code__.co_filename}), frozenset({id(start), id(bootstrap)})
+
+
+def watch_files() -> None:
+    """``os.fsync``, ``os.fdatasync`` and ``os.sync`` (and their ``posix`` originals) raise ``ddpkit.fsync``
+    with the file forced to disk, or ``ddpkit.sync``; installed before the learner's code is loaded, so
+    ``from os import fsync`` gets them too. ``pathlib`` and ``shutil`` go through them."""
+    import os
+    import posix
+
+    def wrap_fd(original):
+        def wrapper(fd, *args, **kwargs):
+            result = original(fd, *args, **kwargs)
+            number = fd if isinstance(fd, int) else fd.fileno()
+            try:
+                sys.audit("ddpkit.fsync", os.readlink(f"/proc/self/fd/{number}"))
+            except OSError:
+                sys.audit("ddpkit.fsync", "?")
+            return result
+        return wrapper
+
+    original_sync = os.sync
+
+    def sync():
+        original_sync()
+        sys.audit("ddpkit.sync")
+
+    fsync, fdatasync = wrap_fd(os.fsync), wrap_fd(os.fdatasync)
+    for module in (os, posix):
+        module.fsync, module.fdatasync, module.sync = fsync, fdatasync, sync
+
+
+def unsynced_renames(events: list[list[str]]) -> list[str]:
+    """Targets renamed into place before their source file was forced to disk (no fsync of it, no sync),
+    from the guard's ``file`` events in order: ``["fsync", path]``, ``["sync"]``, ``["rename", src, dst]``."""
+    synced, bad = set(), []
+    for parts in events:
+        if parts[0] == "sync":
+            synced.add("*")
+        elif parts[0] == "fsync" and len(parts) > 1:
+            synced.add(parts[1])
+        elif parts[0] == "rename" and len(parts) > 2:
+            if parts[1] not in synced and "*" not in synced:
+                bad.append(parts[2])
+            synced.discard(parts[1])
+            synced.discard("*")
+    return bad
 
 
 class Collectives:
@@ -190,68 +235,3 @@ COLLECTIVE_OPS = frozenset({"allreduce", "allreduce_coalesced", "broadcast", "al
                             "_reduce_scatter_base", "reduce_scatter_tensor_coalesced", "reduce", "gather", "scatter",
                             "alltoall", "alltoall_base", "all_reduce", "all_gather_into_tensor",
                             "reduce_scatter_tensor", "all_to_all_single", "broadcast_"})
-
-
-FILE_LOG_ENV = "DDPKIT_FILE_LOG"  # where the file witness writes, while a check wants it
-
-
-def install_file_witness() -> None:
-    """Wrap ``os.fsync``, ``os.fdatasync``, ``os.sync``, ``os.replace`` and ``os.rename`` (before the learner's
-    code is imported, so ``from os import fsync`` gets the wrapper too): while ``DDPKIT_FILE_LOG`` names a
-    file, each call appends ``fsync <path>``, ``sync`` or ``rename <src> <dst>`` to it, in call order.
-    ``pathlib``'s ``replace``/``rename`` and ``shutil.move`` go through these functions."""
-    import os
-
-    def log(line: str) -> None:
-        path = os.environ.get(FILE_LOG_ENV)
-        if path:
-            with open(path, "a") as handle:
-                handle.write(line + "\n")
-
-    def wrap_fd(original):
-        def wrapper(fd, *args, **kwargs):
-            result = original(fd, *args, **kwargs)
-            number = fd if isinstance(fd, int) else fd.fileno()
-            try:
-                log(f"fsync\t{os.readlink(f'/proc/self/fd/{number}')}")
-            except OSError:
-                log("fsync\t?")
-            return result
-        return wrapper
-
-    def wrap_rename(original):
-        def wrapper(src, dst, *args, **kwargs):
-            result = original(src, dst, *args, **kwargs)
-            log(f"rename\t{os.path.realpath(os.fsdecode(src))}\t{os.path.realpath(os.fsdecode(dst))}")
-            return result
-        return wrapper
-
-    original_sync = os.sync
-
-    def sync():
-        original_sync()
-        log("sync")
-
-    os.fsync, os.fdatasync, os.sync = wrap_fd(os.fsync), wrap_fd(os.fdatasync), sync
-    os.replace, os.rename = wrap_rename(os.replace), wrap_rename(os.rename)
-
-
-def unsynced_renames(log_path: str) -> list[str]:
-    """Targets renamed into place before their source file was forced to disk (no fsync of it, no sync)."""
-    synced, bad = set(), []
-    try:
-        with open(log_path) as handle:
-            lines = [line.rstrip("\n").split("\t") for line in handle]
-    except OSError:
-        return []
-    for parts in lines:
-        if parts[0] == "sync":
-            synced.add("*")
-        elif parts[0] == "fsync" and len(parts) > 1:
-            synced.add(parts[1])
-        elif parts[0] == "rename" and len(parts) > 2:
-            if parts[1] not in synced and "*" not in synced:
-                bad.append(parts[2])
-            synced.discard(parts[1])
-            synced.discard("*")
-    return bad
