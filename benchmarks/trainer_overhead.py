@@ -14,7 +14,9 @@ both meeting in a barrier after each backward (what waiting every step for the s
 both training with DDP (what the all-reduce's bytes add on top). A profiled DDP step says how much of
 the all-reduce was exposed.
 
-On a shared machine one run of the step comparison moves by a percent or two with the load, so
+A second copy of the hand-written loop runs beside them as an A/A control: its ratio to the first
+says how large a difference the machine's noise alone makes. On a shared machine one run of the step
+comparison moves by a percent or two with the load, so
 ``--repeats N`` runs it N times (each in a fresh launch) and records every run's ratio, the median and
 the range; ``--step-only`` keeps the weak-scaling result already recorded (it wants an idle machine).
 ``--trace`` counts operators per step instead (see :func:`main_trace`).
@@ -80,22 +82,31 @@ def build_trainer(ctx, cfg, metrics_dir: str | None = None) -> Trainer:
     return trainer
 
 
-def variants(ctx, cfg, folder: str) -> dict:
-    return {"ddpkit": build_trainer(ctx, cfg).run_step,
-            "ddpkit_with_metrics_dir": build_trainer(ctx, cfg, os.path.join(folder, "metrics")).run_step,
-            "hand_written": HandWritten(ctx, cfg).step}
+def variants(ctx, cfg, folder: str, control: bool = False) -> dict:
+    """The steppers compared; with ``control``, a second, identical hand-written loop (an A/A control:
+    its ratio to the first is what this machine's noise alone makes of two equal steps)."""
+    steppers = {"ddpkit": build_trainer(ctx, cfg).run_step,
+                "ddpkit_with_metrics_dir": build_trainer(ctx, cfg, os.path.join(folder, "metrics")).run_step,
+                "hand_written": HandWritten(ctx, cfg).step}
+    if control:
+        steppers["hand_written_again"] = HandWritten(ctx, cfg).step
+    return steppers
 
 
 def overhead(ctx, cfg, steps, warmup):
-    """Round-robin single steps of each variant, so that drift on a noisy machine hits all alike."""
+    """Rounds of one step of each variant, so that drift on a noisy machine hits all alike; the order
+    rotates from round to round, so that no variant always runs first, or right after the same other one
+    (a step that follows another finds the caches as that one left them)."""
     cfg = cfg.replace(steps=steps + warmup)
     with tempfile.TemporaryDirectory() as folder:
-        steppers = variants(ctx, cfg, folder)
-        times = {name: [] for name in steppers}
-        for _ in range(steps + warmup):
-            for name, step in steppers.items():
+        steppers = variants(ctx, cfg, folder, control=True)
+        names = list(steppers)
+        times = {name: [] for name in names}
+        for round_ in range(steps + warmup):
+            k = round_ % len(names)
+            for name in names[k:] + names[:k]:
                 started = time.perf_counter()
-                step()
+                steppers[name]()
                 times[name].append(time.perf_counter() - started)
     return {name: values[warmup:] for name, values in times.items()}
 
@@ -190,7 +201,7 @@ def step_overhead(cfg: TrainConfig, steps: int, warmup: int) -> dict:
     return {**s, "ratio_median": s["ddpkit"]["median_s"] / base,
             "ratio_with_metrics_dir": s["ddpkit_with_metrics_dir"]["median_s"] / base,
             "paired_ratio_median": paired("ddpkit"), "paired_ratio_with_metrics_dir": paired("ddpkit_with_metrics_dir"),
-            "loadavg_1": round(load, 2)}
+            "paired_ratio_control": paired("hand_written_again"), "loadavg_1": round(load, 2)}
 
 
 def _spread(values: list[float]) -> dict:
@@ -204,24 +215,28 @@ def main(steps: int = 600, warmup: int = 30, repeats: int = 1, step_only: bool =
     for i in range(repeats):
         runs.append(step_overhead(cfg, steps, warmup))
         if repeats > 1:
-            print(f"run {i + 1}/{repeats}: paired {runs[-1]['paired_ratio_median']:.4f}x, load {runs[-1]['loadavg_1']}",
-                  flush=True)
+            print(f"run {i + 1}/{repeats}: paired {runs[-1]['paired_ratio_median']:.4f}x (control "
+                  f"{runs[-1]['paired_ratio_control']:.4f}x), load {runs[-1]['loadavg_1']}", flush=True)
     # the run shown in full is the median one; the others are kept as repeats (what benchmarks/report.py reads)
     order = sorted(range(repeats), key=lambda i: runs[i]["paired_ratio_median"])
     shown = runs[order[(repeats - 1) // 2]]
     repeats_kept = [{"load": r["loadavg_1"], "paired": round(r["paired_ratio_median"], 4),
                      "medians": round(r["ratio_median"], 4),
                      "with_metrics_dir_paired": round(r["paired_ratio_with_metrics_dir"], 4),
-                     "with_metrics_dir_medians": round(r["ratio_with_metrics_dir"], 4)} for r in runs if r is not shown]
+                     "with_metrics_dir_medians": round(r["ratio_with_metrics_dir"], 4),
+                     "control_paired": round(r["paired_ratio_control"], 4)} for r in runs if r is not shown]
     step = {**shown, "target_ratio": 1.02,
             "over_runs": {"paired_ratio": _spread([r["paired_ratio_median"] for r in runs]),
                           "ratio_of_medians": _spread([r["ratio_median"] for r in runs]),
                           "paired_ratio_with_metrics_dir": _spread([r["paired_ratio_with_metrics_dir"] for r in runs]),
+                          "paired_ratio_control": _spread([r["paired_ratio_control"] for r in runs]),
                           "loadavg_1": _spread([r["loadavg_1"] for r in runs])},
             "note": f"world 2, MLP 256-512-512-8, micro-batch 32; {steps} steps each, one step of each variant in "
-                    "turn in the same ranks, after a warm-up; paired = median over steps of (ddpkit step / loop step "
-                    "just after it). ddpkit: as `ddpkit train` runs (DDP's built-in C++ all-reduce hook); with metrics "
-                    "dir: as `--metrics-dir` runs (the Python hook that measures comm_s, and a JSONL line per step). "
+                    "turn in the same ranks (the order rotating from round to round), after a warm-up; paired = median "
+                    "over rounds of (ddpkit's step / the loop's step in the same round). ddpkit: as `ddpkit train` runs "
+                    "(DDP's built-in C++ all-reduce hook); with metrics dir: as `--metrics-dir` runs (the Python hook "
+                    "that measures comm_s, and a JSONL line per step); control: a second copy of the hand-written loop, "
+                    "whose ratio to the first is the noise floor. "
                     f"{repeats} run(s), each a fresh launch; the median run above, the others in repeats_under_load",
             **({"repeats_under_load": repeats_kept} if repeats_kept else {})}
     previous = _previous_weak_scaling() if step_only else None
