@@ -22,6 +22,7 @@ the range; ``--step-only`` keeps the weak-scaling result already recorded (it wa
 ``--trace`` counts operators per step instead (see :func:`main_trace`).
 """
 
+import itertools
 import json
 import os
 import re
@@ -94,17 +95,17 @@ def variants(ctx, cfg, folder: str, control: bool = False) -> dict:
 
 
 def overhead(ctx, cfg, steps, warmup):
-    """Rounds of one step of each variant, so that drift on a noisy machine hits all alike; the order
-    rotates from round to round, so that no variant always runs first, or right after the same other one
-    (a step that follows another finds the caches as that one left them)."""
+    """Rounds of one step of each variant, so that drift on a noisy machine hits all alike. The rounds go
+    through every order of the variants in turn: a step finds the caches as the step before it left them
+    (a step right after a step of the same loop runs faster), so in a fixed order, or a rotation of one,
+    which keeps the same neighbours, the variant that always follows another of its kind would gain."""
     cfg = cfg.replace(steps=steps + warmup)
     with tempfile.TemporaryDirectory() as folder:
         steppers = variants(ctx, cfg, folder, control=True)
-        names = list(steppers)
-        times = {name: [] for name in names}
+        orders = list(itertools.permutations(steppers))
+        times = {name: [] for name in steppers}
         for round_ in range(steps + warmup):
-            k = round_ % len(names)
-            for name in names[k:] + names[:k]:
+            for name in orders[round_ % len(orders)]:
                 started = time.perf_counter()
                 steppers[name]()
                 times[name].append(time.perf_counter() - started)
@@ -232,7 +233,7 @@ def main(steps: int = 600, warmup: int = 30, repeats: int = 1, step_only: bool =
                           "paired_ratio_control": _spread([r["paired_ratio_control"] for r in runs]),
                           "loadavg_1": _spread([r["loadavg_1"] for r in runs])},
             "note": f"world 2, MLP 256-512-512-8, micro-batch 32; {steps} steps each, one step of each variant in "
-                    "turn in the same ranks (the order rotating from round to round), after a warm-up; paired = median "
+                    "turn in the same ranks (the rounds going through every order of the variants), after a warm-up; paired = median "
                     "over rounds of (ddpkit's step / the loop's step in the same round). ddpkit: as `ddpkit train` runs "
                     "(DDP's built-in C++ all-reduce hook); with metrics dir: as `--metrics-dir` runs (the Python hook "
                     "that measures comm_s, and a JSONL line per step); control: a second copy of the hand-written loop, "
