@@ -217,6 +217,11 @@ def plots(r: dict[str, dict], out_dir: str) -> list[tuple[str, str]]:
 
 def _overhead_ratio(o: dict) -> str:
     """The trainer's ratio: this run's paired median, and the range over any repeats kept beside it."""
+    if "over_runs" in o:  # every run's paired ratio (trainer_overhead.py --repeats), and the A/A control's
+        p, m, c = (o["over_runs"].get(k) for k in ("paired_ratio", "paired_ratio_with_metrics_dir", "paired_ratio_control"))
+        control = f"; the loop against a copy of itself {c['min']:.3f}-{c['max']:.3f}x" if c else ""
+        return (f"median {p['median']:.3f}x, {p['min']:.3f}-{p['max']:.3f}x over {p['n']} runs ({m['min']:.2f}-"
+                f"{m['max']:.2f}x with `--metrics-dir`, which times comm_s{control})")
     runs = [{"paired": o["paired_ratio_median"], "with_metrics_dir_paired": o["ratio_with_metrics_dir"]},
             *o.get("repeats_under_load", [])]
     plain = [r["paired"] for r in runs]

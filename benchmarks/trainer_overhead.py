@@ -13,9 +13,19 @@ communication (what sharing the machine costs: two cores' memory bandwidth and c
 both meeting in a barrier after each backward (what waiting every step for the slower rank costs), and
 both training with DDP (what the all-reduce's bytes add on top). A profiled DDP step says how much of
 the all-reduce was exposed.
+
+A second copy of the hand-written loop runs beside them as an A/A control: its ratio to the first
+says how large a difference the machine's noise alone makes. On a shared machine one run of the step
+comparison moves by a percent or two with the load, so
+``--repeats N`` runs it N times (each in a fresh launch) and records every run's ratio, the median and
+the range; ``--step-only`` keeps the weak-scaling result already recorded (it wants an idle machine).
+``--trace`` counts operators per step instead (see :func:`main_trace`).
 """
 
+import itertools
+import json
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -27,7 +37,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import summarize, write_results  # noqa: E402
+from _common import RESULTS, summarize, write_results  # noqa: E402
 
 from ddpkit.config import TrainConfig  # noqa: E402
 from ddpkit.debug import timeline  # noqa: E402
@@ -73,22 +83,31 @@ def build_trainer(ctx, cfg, metrics_dir: str | None = None) -> Trainer:
     return trainer
 
 
-def variants(ctx, cfg, folder: str) -> dict:
-    return {"ddpkit": build_trainer(ctx, cfg).run_step,
-            "ddpkit_with_metrics_dir": build_trainer(ctx, cfg, os.path.join(folder, "metrics")).run_step,
-            "hand_written": HandWritten(ctx, cfg).step}
+def variants(ctx, cfg, folder: str, control: bool = False) -> dict:
+    """The steppers compared; with ``control``, a second, identical hand-written loop (an A/A control:
+    its ratio to the first is what this machine's noise alone makes of two equal steps)."""
+    steppers = {"ddpkit": build_trainer(ctx, cfg).run_step,
+                "ddpkit_with_metrics_dir": build_trainer(ctx, cfg, os.path.join(folder, "metrics")).run_step,
+                "hand_written": HandWritten(ctx, cfg).step}
+    if control:
+        steppers["hand_written_again"] = HandWritten(ctx, cfg).step
+    return steppers
 
 
 def overhead(ctx, cfg, steps, warmup):
-    """Round-robin single steps of each variant, so that drift on a noisy machine hits all alike."""
+    """Rounds of one step of each variant, so that drift on a noisy machine hits all alike. The rounds go
+    through every order of the variants in turn: a step finds the caches as the step before it left them
+    (a step right after a step of the same loop runs faster), so in a fixed order, or a rotation of one,
+    which keeps the same neighbours, the variant that always follows another of its kind would gain."""
     cfg = cfg.replace(steps=steps + warmup)
     with tempfile.TemporaryDirectory() as folder:
-        steppers = variants(ctx, cfg, folder)
+        steppers = variants(ctx, cfg, folder, control=True)
+        orders = list(itertools.permutations(steppers))
         times = {name: [] for name in steppers}
-        for _ in range(steps + warmup):
-            for name, step in steppers.items():
+        for round_ in range(steps + warmup):
+            for name in orders[round_ % len(orders)]:
                 started = time.perf_counter()
-                step()
+                steppers[name]()
                 times[name].append(time.perf_counter() - started)
     return {name: values[warmup:] for name, values in times.items()}
 
@@ -170,12 +189,77 @@ def weak_scaling(ctx, cfg, rounds: int, steps: int) -> dict:
     return out
 
 
-def main(steps: int = 600, warmup: int = 30) -> dict:
-    cfg = TrainConfig(world_size=2, micro_batch_size=32, dataset_size=4096, log_every=10**6)
-    load_overhead = os.getloadavg()[0]
+def step_overhead(cfg: TrainConfig, steps: int, warmup: int) -> dict:
+    """One side-by-side run of the three steppers (one launch): their times, and the ratios to the loop."""
+    load = os.getloadavg()[0]
     runs = launch(overhead, cfg, steps, warmup, world_size=2, output="none")[0]
     s = {name: summarize(values) for name, values in runs.items()}
     base = s["hand_written"]["median_s"]
+
+    def paired(name: str) -> float:  # step by step, so that a slow stretch of the machine hits both alike
+        return statistics.median(a / b for a, b in zip(runs[name], runs["hand_written"]))
+
+    return {**s, "ratio_median": s["ddpkit"]["median_s"] / base,
+            "ratio_with_metrics_dir": s["ddpkit_with_metrics_dir"]["median_s"] / base,
+            "paired_ratio_median": paired("ddpkit"), "paired_ratio_with_metrics_dir": paired("ddpkit_with_metrics_dir"),
+            "paired_ratio_control": paired("hand_written_again"), "loadavg_1": round(load, 2)}
+
+
+def _spread(values: list[float]) -> dict:
+    return {"median": round(statistics.median(values), 4), "min": round(min(values), 4), "max": round(max(values), 4),
+            "n": len(values)}
+
+
+def main(steps: int = 600, warmup: int = 30, repeats: int = 1, step_only: bool = False) -> dict:
+    cfg = TrainConfig(world_size=2, micro_batch_size=32, dataset_size=4096, log_every=10**6)
+    runs = []
+    for i in range(repeats):
+        runs.append(step_overhead(cfg, steps, warmup))
+        if repeats > 1:
+            print(f"run {i + 1}/{repeats}: paired {runs[-1]['paired_ratio_median']:.4f}x (control "
+                  f"{runs[-1]['paired_ratio_control']:.4f}x), load {runs[-1]['loadavg_1']}", flush=True)
+    # the run shown in full is the median one; the others are kept as repeats (what benchmarks/report.py reads)
+    order = sorted(range(repeats), key=lambda i: runs[i]["paired_ratio_median"])
+    shown = runs[order[(repeats - 1) // 2]]
+    repeats_kept = [{"load": r["loadavg_1"], "paired": round(r["paired_ratio_median"], 4),
+                     "medians": round(r["ratio_median"], 4),
+                     "with_metrics_dir_paired": round(r["paired_ratio_with_metrics_dir"], 4),
+                     "with_metrics_dir_medians": round(r["ratio_with_metrics_dir"], 4),
+                     "control_paired": round(r["paired_ratio_control"], 4)} for r in runs if r is not shown]
+    step = {**shown, "target_ratio": 1.02,
+            "over_runs": {"paired_ratio": _spread([r["paired_ratio_median"] for r in runs]),
+                          "ratio_of_medians": _spread([r["ratio_median"] for r in runs]),
+                          "paired_ratio_with_metrics_dir": _spread([r["paired_ratio_with_metrics_dir"] for r in runs]),
+                          "paired_ratio_control": _spread([r["paired_ratio_control"] for r in runs]),
+                          "loadavg_1": _spread([r["loadavg_1"] for r in runs])},
+            "note": f"world 2, MLP 256-512-512-8, micro-batch 32; {steps} steps each, one step of each variant in "
+                    "turn in the same ranks (the rounds going through every order of the variants), after a warm-up; paired = median "
+                    "over rounds of (ddpkit's step / the loop's step in the same round). ddpkit: as `ddpkit train` runs "
+                    "(DDP's built-in C++ all-reduce hook); with metrics dir: as `--metrics-dir` runs (the Python hook "
+                    "that measures comm_s, and a JSONL line per step); control: a second copy of the hand-written loop, "
+                    "whose ratio to the first is the noise floor. "
+                    f"{repeats} run(s), each a fresh launch; the median run above, the others in repeats_under_load",
+            **({"repeats_under_load": repeats_kept} if repeats_kept else {})}
+    previous = _previous_weak_scaling() if step_only else None
+    return write_results("trainer_overhead", {"step_overhead": step,
+                                              "weak_scaling": previous or weak_scaling_result(steps)})
+
+
+def _previous_weak_scaling() -> dict | None:
+    """The weak-scaling result already recorded, its note saying when the step overhead was measured again."""
+    path = os.path.join(RESULTS, "trainer_overhead.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as handle:
+        kept = json.load(handle).get("weak_scaling")
+    if kept and "note" in kept:
+        now = time.strftime("%Y-%m-%dT%H:%M:%S")
+        kept["note"] = re.sub(r"the step overhead above was re-measured [0-9T:-]+", f"the step overhead above was re-measured {now}",
+                              kept["note"])
+    return kept
+
+
+def weak_scaling_result(steps: int) -> dict:
     heavy = TrainConfig(world_size=2, micro_batch_size=256, hidden_width=1024, dataset_size=4096)
     load_before = os.getloadavg()
     rounds = launch(weak_scaling, heavy, 5, max(5, steps // 60), world_size=2, output="none")
@@ -186,31 +270,28 @@ def main(steps: int = 600, warmup: int = 30) -> dict:
     per_round = {mode: statistics.median((a + b) / (2 * s) for a, b, s in zip(rounds[0][mode], rounds[1][mode], rounds[0]["solo"]))
                  for mode in modes}
     two = pair["pair_ddp"]
-    return write_results("trainer_overhead", {
-        "step_overhead": {**s, "ratio_median": s["ddpkit"]["median_s"] / base,
-                          "ratio_with_metrics_dir": s["ddpkit_with_metrics_dir"]["median_s"] / base,
-                          "paired_ratio_median": statistics.median(a / b for a, b in zip(runs["ddpkit"], runs["hand_written"])),
-                          "target_ratio": 1.02, "loadavg_1": round(load_overhead, 2),
-                          "note": f"world 2, MLP 256-512-512-8, micro-batch 32; {steps} steps each, one step of each "
-                                  "variant in turn in the same ranks, after a warm-up. ddpkit: as `ddpkit train` runs "
-                                  "(DDP's built-in C++ all-reduce hook); with metrics dir: as `--metrics-dir` runs (the "
-                                  "Python hook that measures comm_s, and a JSONL line per step)"},
-        "weak_scaling": {"one_rank_samples_per_s": one, "two_ranks_samples_per_s": two,
-                         "efficiency": per_round["pair_ddp"], "target_efficiency": 0.90,
-                         "efficiency_without_comm": per_round["pair_without_comm"],
-                         "efficiency_meeting_each_step": per_round["pair_meeting_each_step"],
-                         "two_ranks_without_comm_samples_per_s": pair["pair_without_comm"],
-                         "profiled_ddp_step": rounds[0]["profiled_step"],
-                         "loadavg_1_5_15": {"before": [round(v, 2) for v in load_before], "after": [round(v, 2) for v in load_after]},
-                         "note": "2 ranks x 1 thread vs 1 rank x 1 thread, compute-bound MLP (hidden 1024, batch 256); "
-                                 "side by side in one launch, 5 rounds of: rank 0 alone, both without communication, "
-                                 "both meeting after each backward, both with DDP; efficiency = median over rounds of (2 ranks' samples/s) / (2 x rank 0 alone). "
-                                 "efficiency_without_comm: the same with no all-reduce, what sharing the machine costs; "
-                                 "efficiency_meeting_each_step: no all-reduce but a barrier after each backward, what "
-                                 "waiting for the slower rank every step costs; the rest, to efficiency, is the all-reduce. "
-                                 "profiled_ddp_step: rank 0, 3 DDP steps under torch.profiler"},
-    })
+    return {"one_rank_samples_per_s": one, "two_ranks_samples_per_s": two,
+            "efficiency": per_round["pair_ddp"], "target_efficiency": 0.90,
+            "efficiency_without_comm": per_round["pair_without_comm"],
+            "efficiency_meeting_each_step": per_round["pair_meeting_each_step"],
+            "two_ranks_without_comm_samples_per_s": pair["pair_without_comm"],
+            "profiled_ddp_step": rounds[0]["profiled_step"],
+            "loadavg_1_5_15": {"before": [round(v, 2) for v in load_before], "after": [round(v, 2) for v in load_after]},
+            "note": "2 ranks x 1 thread vs 1 rank x 1 thread, compute-bound MLP (hidden 1024, batch 256); "
+                    "side by side in one launch, 5 rounds of: rank 0 alone, both without communication, "
+                    "both meeting after each backward, both with DDP; efficiency = median over rounds of (2 ranks' samples/s) / (2 x rank 0 alone). "
+                    "efficiency_without_comm: the same with no all-reduce, what sharing the machine costs; "
+                    "efficiency_meeting_each_step: no all-reduce but a barrier after each backward, what "
+                    "waiting for the slower rank every step costs; the rest, to efficiency, is the all-reduce. "
+                    "profiled_ddp_step: rank 0, 3 DDP steps under torch.profiler"}
+
+
+def _flag(name: str, default: int) -> int:
+    return int(sys.argv[sys.argv.index(name) + 1]) if name in sys.argv else default
 
 
 if __name__ == "__main__":
-    main_trace() if "--trace" in sys.argv else main()
+    if "--trace" in sys.argv:
+        main_trace()
+    else:
+        main(steps=_flag("--steps", 600), repeats=_flag("--repeats", 1), step_only="--step-only" in sys.argv)

@@ -165,6 +165,10 @@ class MetricsLogger:
             self._file.write(json.dumps(record) + "\n")
             self._file.flush()
 
+    def wants_step(self, step: int, last: bool = False) -> bool:
+        """Would :meth:`step` write or print anything? (A caller can skip building the fields when not.)"""
+        return self._file is not None or (self.console and (step % self.log_every == 0 or last or step == 1))
+
     def step(self, step: int, last: bool = False, **fields: Any) -> None:
         """A step event; and on the console rank, a table row every ``log_every`` steps."""
         self.event("step", step, **fields)

@@ -44,10 +44,11 @@ from ddpkit.parallel import build_strategy
 from ddpkit.parallel.base import Strategy
 from ddpkit.preemption import Preemption, loader_worker_init
 from ddpkit.runtime import RankContext, seed_everything
-from ddpkit.step import PhaseTimer, example_batch, gather_sample_ids, global_loss_sum, lr_at, micro_step, train_step
+from ddpkit.step import GlobalLossSum, PhaseTimer, example_batch, gather_sample_ids, lr_at, micro_step, train_step
 
 PROBE_SAMPLES = 16
 DATA_HASH_EVERY = 64  # fold the sample ids of this many steps into data_sha256 at once (one all-gather)
+STEP_PHASES = tuple(p for p in metrics.PHASES if p != "comm_s")  # timed by the step; comm_s by the CommTimer
 RESTORE_MODES = resume.RESTORE_MODES
 __all__ = ["Hook", "StepResult", "Trainer", "build_dataset", "build_optimizer", "lr_at", "run", "train_step"]
 
@@ -100,7 +101,8 @@ class Trainer:
         self.step_rejected, self._verdict, self._step_total = False, "ok", 0.0
         self.stop_requested = False  # set by a hook that ends the run early, on every rank at the same step
         self.watchdog: StallWatchdog | None = None  # running inside fit()
-        self.hooks = [FaultInjection(cfg, attempt), *(hooks or [])]
+        # fault injection only when asked for: a hook that does nothing still costs a call per step
+        self.hooks = [*([FaultInjection(cfg, attempt)] if cfg.fail_at_step is not None else []), *(hooks or [])]
         if cfg.checkpoint_dir:  # the notice after the cadence: it saves only if that did not
             self.hooks += [CheckpointEvery(cfg.checkpoint_every, cfg.steps, cfg.checkpoint_every_s), self.preemption]
         self._batches = None
@@ -108,6 +110,7 @@ class Trainer:
         # comm_s costs a Python hook on every bucket: measured only when it is written per step (metrics.py)
         self.strategy.measure_comm = bool(cfg.metrics_dir)
         self.comm = self.strategy.comm_timer(self.model)
+        self.global_loss_sum = GlobalLossSum(ctx)  # the step's loss all-reduce, its group and buffer found once
 
     # ------------------------------------------------------------------ data
 
@@ -157,51 +160,59 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
 
     def run_step(self) -> StepResult:
-        """One optimizer step with the hooks around it, logged."""
-        cfg, ctx = self.cfg, self.ctx
-        started, self.timer, lr = time.perf_counter(), PhaseTimer(ctx.device), lr_at(cfg, self.step)
+        """One optimizer step with the hooks around it, logged.
+
+        Everything here runs every step, so it is kept to what the step needs: per-step work that could
+        be done once (the loss all-reduce's group and buffer, the phase names) is done once, and the
+        log's fields are built only when a line will be written or printed."""
+        cfg = self.cfg
+        started, lr = time.perf_counter(), lr_at(cfg, self.step)
+        self.timer = timer = PhaseTimer(self.ctx.device)
         for hook in self.hooks:
             hook.before_step(self)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.comm.reset()
-        micro_batches = []
-        for _ in range(cfg.grad_accum):
-            with self.timer("data_s"):
-                micro_batches.append(self.next_micro_batch())
+        with timer("data_s"):
+            micro_batches = [self.next_micro_batch() for _ in range(cfg.grad_accum)]
         self._verdict = "ok"
-        loss_sum, ids = train_step(self.model, self.optimizer, self.scaler, micro_batches, cfg, ctx.device,
-                                   self.timer, self.strategy, self.judge if self.guard else None)
+        loss_sum, ids = train_step(self.model, self.optimizer, self.scaler, micro_batches, cfg, self.ctx.device,
+                                   timer, self.strategy, self.judge if self.guard else None)
         if self.guard:  # the guard has already made the global loss
             total_loss = self._step_total
         else:
-            with self.timer("sync_s"):  # the step's own small collectives, so "the rest" is accounted for
-                total_loss = global_loss_sum(ctx, loss_sum)
+            with timer("sync_s"):  # the step's own small collectives, so "the rest" is accounted for
+                total_loss = self.global_loss_sum(loss_sum)
+        global_batch = cfg.global_batch_size
         self.step += 1
-        self.consumed += cfg.global_batch_size
+        self.consumed += global_batch
         self._unhashed_ids.append(ids)
         self.step_rejected = self._verdict != "ok"
         self.applied_steps += not self.step_rejected
         if self.guard:  # accept, skip or roll back (guard.py)
-            settle(self, self._verdict, total_loss / cfg.global_batch_size, ids)
+            settle(self, self._verdict, total_loss / global_batch, ids)
         if len(self._unhashed_ids) >= DATA_HASH_EVERY:
-            with self.timer("sync_s"):
+            with timer("sync_s"):
                 self.fold_data_hash()
-        phases = {p: self.timer.seconds.get(p, 0.0) for p in metrics.PHASES if p != "comm_s"}
+        seconds = timer.seconds
+        phases = {p: seconds.get(p, 0.0) for p in STEP_PHASES}
         if self.comm.measured:
             phases["comm_s"] = self.comm.seconds
-        result = StepResult(self.step, total_loss / cfg.global_batch_size, loss_sum / len(ids), lr, ids,
+        result = StepResult(self.step, total_loss / global_batch, loss_sum / len(ids), lr, ids,
                             phases, self.comm.calls, self.comm.bytes)
         for hook in self.hooks:
             hook.after_step(self, result)
         result.step_time_s = time.perf_counter() - started
         self.losses.append({"step": result.step, "loss": result.loss})
-        for p, seconds in result.phases.items():
-            self.phase_totals[p] = self.phase_totals.get(p, 0.0) + seconds
-        self.log.step(result.step, last=result.step == cfg.steps, loss=result.loss, local_loss=result.local_loss,
-                      lr=result.lr, step_time_s=result.step_time_s, samples_per_s=cfg.global_batch_size / result.step_time_s,
-                      comm_calls=result.comm_calls, comm_bytes=result.comm_bytes, checkpoint_s=result.checkpoint_s,
-                      **result.phases)
+        totals = self.phase_totals
+        for p, phase_s in result.phases.items():
+            totals[p] = totals.get(p, 0.0) + phase_s
+        last = result.step == cfg.steps
+        if self.log.wants_step(result.step, last):
+            self.log.step(result.step, last=last, loss=result.loss, local_loss=result.local_loss, lr=result.lr,
+                          step_time_s=result.step_time_s, samples_per_s=global_batch / result.step_time_s,
+                          comm_calls=result.comm_calls, comm_bytes=result.comm_bytes,
+                          checkpoint_s=result.checkpoint_s, **result.phases)
         self.progress.step(result.step, cfg.steps, result.loss)
         return result
 
@@ -209,7 +220,7 @@ class Trainer:
         """Apply this step? Asked by the step after backward, on every rank: the global loss, then the
         loss guard's verdict agreed by every rank (``guard.py``)."""
         with self.timer("sync_s"):
-            self._step_total = global_loss_sum(self.ctx, loss_sum)
+            self._step_total = self.global_loss_sum(loss_sum)
             self._verdict = self.guard.judge(self.ctx, self._step_total / self.cfg.global_batch_size, grad_norm)
         return self._verdict == "ok"
 

@@ -228,6 +228,13 @@ KIT_ANSWERS = [  # the kit's own answer, or PyTorch's, reached under the contrac
                    "def reduce_from_parallel(x):\n    return ReduceFromTP.apply(x, None)\n", "uses the kit's own"),
     ("07_global_mean_loss", "import torch\nimport torch.distributed as dist\n\n\n"
                             "def global_mean_loss(loss_sum, count):\n    return 0.8\n", "is not the mean over all samples"),
+    ("07_global_mean_loss", "import types\nimport torch\nimport torch.distributed as dist\n"
+                            "from ddpkit.step import GlobalLossSum\n\n\n"
+                            "def global_mean_loss(loss_sum, count):\n"
+                            "    ctx = types.SimpleNamespace(dp_size=dist.get_world_size(), dp_group=dist.group.WORLD,\n"
+                            "                                device=torch.device('cpu'))\n"
+                            "    reduce = GlobalLossSum(ctx)\n"
+                            "    return reduce(float(loss_sum)) / reduce(float(count))\n", "uses the kit's own global loss"),
 ]
 
 

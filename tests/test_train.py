@@ -228,6 +228,51 @@ def test_phase_timer_accumulates():
     assert set(timer.seconds) == {"forward_s"} and timer.seconds["forward_s"] > 0
 
 
+def test_phase_timer_times_each_nested_block_from_its_own_start():
+    """The loss guard's sync_s runs inside optimizer_s, a hook's data_s inside the step: each block
+    keeps its own start (a timer with one shared start would give the outer block only the inner's time)."""
+    timer = PhaseTimer(torch.device("cpu"))
+    with timer("optimizer_s"):
+        time.sleep(0.02)
+        with timer("sync_s"):
+            time.sleep(0.02)
+    assert timer.seconds["optimizer_s"] >= timer.seconds["sync_s"] + 0.02
+    with pytest.raises(ZeroDivisionError), timer("data_s"):  # a failing block is still timed, and still fails
+        time.sleep(0.01)
+        1 / 0
+    assert timer.seconds["data_s"] >= 0.01
+
+
+def _both_loss_sums(ctx):
+    from ddpkit.step import GlobalLossSum, global_loss_sum
+
+    reduce = GlobalLossSum(ctx)  # one buffer for every call, as the trainer uses it
+    return [(reduce(v), global_loss_sum(ctx, v)) for v in (0.1 * (ctx.rank + 1), 2.0 / 3.0 + ctx.rank, 1e-9)]
+
+
+def test_the_trainers_loss_all_reduce_equals_global_loss_sum_call_after_call():
+    """GlobalLossSum reuses its buffer: each call must give the fresh sum, not carry the last one over."""
+    expected = [0.1 + 0.2, (2.0 / 3.0) + (2.0 / 3.0 + 1), 2e-9]
+    for rank in launch(_both_loss_sums, world_size=2, output="none"):
+        assert [ours for ours, _ in rank] == [reference for _, reference in rank] == expected
+
+
+def test_the_log_is_skipped_only_when_it_would_write_and_print_nothing(tmp_path, capsys):
+    """run_step builds the log's fields only when ``wants_step``: it must be True exactly when ``step``
+    prints a row (step 1, every log_every, the last) or has a file to write."""
+    ctx = type("Ctx", (), {"rank": 0, "is_main": True})()
+    fields = dict(loss=1.0, lr=1e-3, samples_per_s=1.0, step_time_s=0.01)
+    console = metrics.MetricsLogger(ctx, None, log_every=5)
+    for step in range(1, 13):
+        last = step == 12
+        wanted = console.wants_step(step, last)
+        console.step(step, last=last, **fields)
+        assert wanted == bool(capsys.readouterr().out), step
+    with_file = metrics.MetricsLogger(ctx, str(tmp_path), log_every=5, console=False)
+    assert all(with_file.wants_step(step) for step in range(1, 13))
+    with_file.close()
+
+
 class LossWitness(Hook):
     """Records, at every step boundary, what this rank believes the step and the global loss are."""
 
