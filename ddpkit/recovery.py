@@ -41,11 +41,13 @@ def note_failure_detected(metrics_dir: str | None, attempt: int, at: float | Non
 
 
 # The elastic agent logs through torch's formatter: "W1128 20:10:14.882000 9806 torch/distributed/elastic/..."
-# (level, month and day, local time truncated to the millisecond, pid, file). Its first line about a failed
+# (level, month and day, local time truncated to the millisecond, pid, file). The file is relative to an entry
+# of sys.path, so it can carry a prefix (".venv/lib/python3.11/site-packages/torch/..." when the working
+# directory holds the virtual environment). Its first line about a failed
 # worker is either the SIGTERM it sends the survivors ("Sending process ... closing signal") or, when every
 # worker has already exited, the failure it reports ("failed (exitcode: ...)"): torch's
 # elastic/multiprocessing/api.py, SubprocessContext._poll and _close, run every monitor_interval (0.1 s).
-AGENT_LINE = re.compile(r"^[IWEF](\d{4}) (\d\d:\d\d:\d\d)\.(\d{6}) \d+ torch/distributed/elastic/\S+\] "
+AGENT_LINE = re.compile(r"^[IWEF](\d{4}) (\d\d:\d\d:\d\d)\.(\d{6}) \d+ \S*torch/distributed/elastic/\S+\] "
                         r"(?:Sending process \d+ closing signal|failed \(exitcode)")
 
 

@@ -237,3 +237,7 @@ def test_torchruns_agent_logs_the_failed_worker_it_noticed():
     fault = clock.mktime(clock.strptime(f"{clock.localtime().tm_year}1128 20:10:14", "%Y%m%d %H:%M:%S")) + 0.8
     assert abs(recovery.agent_detection_time("noise\n" + line, fault) - (fault + 0.0825)) < 1e-6
     assert recovery.agent_detection_time(line, fault + 1.0) is None  # a line from before the fault is not its detection
+    # torch writes the file relative to a sys.path entry: from a folder that holds the venv, with its prefix
+    prefixed = line.replace(" torch/", " .venv/lib/python3.11/site-packages/torch/")
+    assert abs(recovery.agent_detection_time(prefixed, fault) - (fault + 0.0825)) < 1e-6
+    assert recovery.agent_detection_time(prefixed.replace("elastic", "elastik"), fault) is None
