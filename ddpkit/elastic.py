@@ -59,9 +59,11 @@ import sys
 import time
 
 MEMBERSHIP_LOG = "elastic.jsonl"
-# short timeouts for one machine: a round closes 1 s after the minimum joined; a node silent for 4 s is dropped
-# (shorter risks dropping a live agent whose heartbeat thread a busy machine delayed: then it forms a job of its own)
-RDZV_CONF = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=4,join_timeout=60"
+# short timeouts for one machine: a round closes 2 s after the minimum joined; a node silent for 4 s is dropped
+# (shorter risks dropping a live agent whose heartbeat thread a busy machine delayed: then it forms a job of its own).
+# 1 s was seen too short at load 10-12: agents started together, or one rejoining after it stopped its worker for a
+# joining node, arrived more than 1 s apart; the first closed a round alone, started a worker, and had to stop it again
+RDZV_CONF = "last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=4,join_timeout=60"
 AGENT_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 """The environment every agent of a job that may grow needs (see the module's docstring)."""
 
@@ -129,14 +131,28 @@ def agent_command(port: int, run_id: str, global_batch_size: int, train_argv: li
             *([] if adjust else ["--no-adjust"]), "--", *train_argv]
 
 
+def process_start_time() -> float | None:
+    """When this process began (seconds since the epoch), from ``/proc`` (Linux; None elsewhere): for a
+    worker, the moment its agent started it, before Python imported anything."""
+    try:
+        with open("/proc/self/stat") as handle:
+            fields = handle.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+        with open("/proc/uptime") as handle:
+            uptime = float(handle.read().split()[0])
+        return time.time() - uptime + int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22, starttime, in ticks since boot
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def note_membership(metrics_dir: str | None, world_size: int, grad_accum: int | None) -> None:
-    """Rank 0 of each round writes who is in it: the world size, the accumulation, torchrun's restart count."""
+    """Rank 0 of each round writes who is in it: the world size, the accumulation, torchrun's restart count,
+    and when its process began (the time between that and ``time`` is Python importing torch and ddpkit)."""
     if metrics_dir and int(os.environ.get("RANK", "0")) == 0:
         os.makedirs(metrics_dir, exist_ok=True)
         with open(os.path.join(metrics_dir, MEMBERSHIP_LOG), "a") as handle:
             handle.write(json.dumps({"event": "round", "world_size": world_size, "grad_accum": grad_accum,
                                      "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
-                                     "time": time.time()}) + "\n")
+                                     "time": time.time(), "process_start": process_start_time()}) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:

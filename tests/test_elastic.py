@@ -119,3 +119,23 @@ def test_under_torchrun_the_preempted_line_says_a_scale_up_needs_nothing():
                                       under_torchrun=True)
     assert "membership change" not in plain and plain.endswith("resume with: ddpkit train --resume")
     assert "membership change" in under and under.endswith("resume with: torchrun -m ddpkit train --resume")
+
+
+def test_a_worker_knows_when_its_process_began():
+    import time
+
+    started = elastic.process_start_time()
+    assert started is not None and time.time() - 24 * 3600 < started <= time.time()
+
+
+def test_an_agent_forked_from_this_process_writes_only_to_its_own_file_and_ends_with_torchruns_code(tmp_path, capfd):
+    import os
+
+    from ddpkit import elastic_drill
+
+    helped, refused = tmp_path / "help.out", tmp_path / "refused.out"
+    assert elastic_drill.fork_agent(["--help"], dict(os.environ), str(helped)).wait(120) == 0
+    assert elastic_drill.fork_agent(["--nnodes"], dict(os.environ), str(refused)).wait(120) == 2  # argparse's code
+    assert "--nproc-per-node" in helped.read_text() and "error: argument --nnodes" in refused.read_text()
+    seen = capfd.readouterr()
+    assert "--nproc-per-node" not in seen.out + seen.err and "error:" not in seen.out + seen.err

@@ -103,10 +103,23 @@ def test_our_all_to_all_matches_torchs_autograd_all_to_all():
         [{"output_equal": True, "grad_equal": True}] * 3
 
 
-def test_the_alpha_beta_model_fits_measured_all_to_alls():
-    from ddpkit.parallel.comm import fit_alpha_beta
+def test_the_alpha_beta_model_fits_measured_all_to_alls_and_a_latency_alone_does_not():
+    """Notebook 18's check of its cost model, and its negative control: the same rounds, modelled by a
+    latency alone (no time per byte), fail it."""
+    import math
+    import statistics
 
-    rows = launch(expert_parallel.measure_all_to_all, [2**12, 2**16, 2**20], world_size=2, output="none")[0]
-    link = fit_alpha_beta([r["bytes_to_others"] for r in rows], [r["seconds"] for r in rows])
+    from ddpkit.parallel.comm import AlphaBeta
+
+    rounds = launch(expert_parallel.measure_all_to_all, [2**10, 2**14, 2**17, 2**20], world_size=2, output="none")[0]
+    assert len(rounds) == 20 and all(r[-1]["seconds"] > 0 for r in rounds)
+    fitted = expert_parallel.fit_rounds(rounds)
+    link, points = fitted["link"], fitted["points"]
     assert link.alpha_s >= 0 and link.bandwidth > 0
-    assert rows[-1]["seconds"] > rows[0]["seconds"]  # a megabyte costs more than four kilobytes
+    assert points[-1]["seconds"] > points[0]["seconds"]  # a megabyte costs more than a kilobyte
+    assert abs(link.seconds(points[-1]["bytes_to_others"]) / points[-1]["seconds"] - 1) < 0.4
+    assert fitted["verdict"] != "above", fitted["errors"]
+    latency_only = expert_parallel.fit_rounds(rounds, fit=lambda nbytes, seconds: AlphaBeta(statistics.median(seconds), math.inf))
+    assert latency_only["verdict"] == "above", latency_only["errors"]
+    worst = latency_only["link"].seconds(points[-1]["bytes_to_others"]) / points[-1]["seconds"]
+    assert abs(worst - 1) >= 0.4, worst

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ddpkit.parallel.comm import AlphaBeta
+from ddpkit.parallel.comm import AlphaBeta, fit_alpha_beta
 from ddpkit.parallel.experts import AddAuxiliaryLoss, Experts, MoE, route
 
 
@@ -159,24 +159,48 @@ def check_against_single(ctx, tokens: int = 48, d_model: int = 16, num_experts: 
             "stats": split.stats, "reference": full.stats}
 
 
-def measure_all_to_all(ctx, sizes: list[int], repeats: int = 5) -> list[dict]:
+def measure_all_to_all(ctx, sizes: list[int], repeats: int = 3, rounds: int = 20) -> list[list[dict]]:
     """Seconds of an even ``all_to_all_single`` in which each rank sends ``size`` bytes to every other
-    rank (the fastest of ``repeats``, the slowest rank's): the points an alpha-beta model is fitted to."""
+    rank: ``rounds`` independent measurements, each the fastest of ``repeats`` calls per size (the slowest
+    rank's time), taken one round after another so that a burst of load on a busy machine spoils a few
+    rounds, not every sample of one size. Each round is a set of points an alpha-beta model is fitted to;
+    :func:`fit_rounds` fits them and says how often the fit holds."""
     group, ep = dist.group.WORLD, ctx.world_size
-    rows = []
-    for size in sizes:
-        send = torch.ones(ep * max(1, size // 4))
-        recv = torch.empty_like(send)
-        best = float("inf")
-        for _ in range(repeats):
-            dist.barrier(group=group)
-            start = time.perf_counter()
-            dist.all_to_all_single(recv, send, group=group)
-            best = min(best, time.perf_counter() - start)
-        slowest = torch.tensor([best])
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
-        rows.append({"bytes_to_others": (ep - 1) * send.numel() // ep * 4, "seconds": float(slowest)})
-    return rows
+    sends = [torch.ones(ep * max(1, size // 4)) for size in sizes]
+    recvs = [torch.empty_like(send) for send in sends]
+    best = [[float("inf")] * len(sizes) for _ in range(rounds)]
+    for r in range(rounds):
+        for i, (send, recv) in enumerate(zip(sends, recvs)):
+            for _ in range(repeats):
+                dist.barrier(group=group)
+                start = time.perf_counter()
+                dist.all_to_all_single(recv, send, group=group)
+                best[r][i] = min(best[r][i], time.perf_counter() - start)
+    best = torch.tensor(best, dtype=torch.float64)
+    dist.all_reduce(best, op=dist.ReduceOp.MAX, group=group)  # a call is as slow as its slowest rank
+    return [[{"bytes_to_others": (ep - 1) * send.numel() // ep * 4, "seconds": float(best[r, i])}
+             for i, send in enumerate(sends)] for r in range(rounds)]
+
+
+def fit_rounds(rounds: list[list[dict]], margin: float = 0.4, confidence: float = 0.99, fit=fit_alpha_beta) -> dict:
+    """Fit ``alpha + bytes / bandwidth`` to each round of :func:`measure_all_to_all` and ask how well each
+    fit predicts that round's largest all-to-all: ``errors`` (|predicted / measured - 1| per round) and a
+    sign test (:func:`ddpkit.timing.verdict`) of them against ``margin``: ``"below"`` when the model holds
+    in more rounds than chance allows, ``"above"`` when it fails in more, ``"unclear"`` when this machine,
+    at this load, cannot tell. Also the fit of the fastest time per size over every round (``link``,
+    ``points``), the cleanest measurement there is. ``fit(nbytes, seconds)`` makes the model (another one
+    is the negative control: a latency alone fails the same checks)."""
+    from ddpkit import timing
+
+    errors = []
+    for points in rounds:
+        model = fit([p["bytes_to_others"] for p in points], [p["seconds"] for p in points])
+        errors.append(abs(model.seconds(points[-1]["bytes_to_others"]) / points[-1]["seconds"] - 1))
+    best = [{"bytes_to_others": column[0]["bytes_to_others"], "seconds": min(p["seconds"] for p in column)}
+            for column in zip(*rounds)]
+    link = fit([p["bytes_to_others"] for p in best], [p["seconds"] for p in best])
+    return {"verdict": timing.verdict(errors, margin, confidence), "errors": errors, "margin": margin,
+            "points": best, "link": link}
 
 
 def check_all_to_all_against_torch(ctx, d_model: int = 3) -> dict:
