@@ -129,6 +129,7 @@ def _drill(zygote: Zygote, workdir: str, die_mode: str, die_at_step: int, steps:
                 say(f"{prefix}replica 1's replacement joins ({'it heals from replica 0' if heal else 'healing turned off'})")
                 procs.append(_start(zygote, workdir, 1, 1, lighthouse.address(),
                                     [*ends, *([] if heal else ["--no-heal", "--exit-after-join"])]))
+            _refuse_a_lone_finish(procs, together or not dies, prefix, workdir)
             crashed = next((e for e in survivor if e["event"] == "crashed"), None)
             if crashed and "crashed" not in said:
                 said.add("crashed")
@@ -158,6 +159,22 @@ def _drill(zygote: Zygote, workdir: str, die_mode: str, die_at_step: int, steps:
              + (f", {summary['alone_steps']} of them alone" if dies else "")
              + (f"; the restarted replica 1 joined at step {summary['joined_step']}" if "joined_step" in summary else ""))
     return summary
+
+
+LONE_FINISH_S = 30.0  # a replica that must end together with another is given this long after the other is done
+
+
+def _refuse_a_lone_finish(procs: list[Child], end_together: bool, prefix: str, workdir: str) -> None:
+    """When the replicas must end training together and one has finished (exit 0) while the other still
+    runs after :data:`LONE_FINISH_S`, the other can never finish (it waits for a peer that is gone):
+    fail now, with the reason, instead of at the drill's timeout."""
+    if not end_together:
+        return
+    finished = {i: p.finished_at for i, p in enumerate(procs) if p.poll() == 0}
+    running = [i for i, p in enumerate(procs) if p.poll() is None]
+    if finished and running and time.monotonic() - min(finished.values()) > LONE_FINISH_S:
+        raise RuntimeError(f"{prefix}process {min(finished)} finished but process {running[0]} still trains alone "
+                           f"{LONE_FINISH_S:.0f} s later: it never trained together with it again (logs in {workdir})")
 
 
 def summarize(survivor: list[dict], other: list[dict], restart_launched: float | None) -> dict:

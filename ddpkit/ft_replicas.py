@@ -140,6 +140,12 @@ def train(args: argparse.Namespace) -> None:
     manager = Manager(pg=ProcessGroupGloo(timeout=seconds), min_replica_size=1, load_state_dict=load_state_dict,
                       state_dict=lambda: {"model": model.state_dict(), "optim": optimizer.state_dict()},
                       use_async_quorum=False,  # quorum (and healing) finish before the step's forward
+                      # Both first replicas build the same seeded model (their "joined" events log the same
+                      # sha), so step 0 needs no heal. A heal at step 0 would also race a wrapper that never
+                      # waits: the source serves its state only until its should_commit(), which such a
+                      # wrapper reaches in milliseconds (seen under load: the peer's fetch timed out, again
+                      # at every step). A replica that joins later still heals (its step is behind).
+                      init_sync=False,
                       timeout=seconds, quorum_timeout=timedelta(seconds=4 * args.timeout), connect_timeout=seconds,
                       rank=0, world_size=1, store_addr="127.0.0.1", store_port=store.port,
                       lighthouse_addr=args.lighthouse, replica_id=f"replica_{args.replica_id}", hostname="localhost")

@@ -85,13 +85,16 @@ def _child(argv: list[str], out: str, main) -> None:
 
 
 class Child:
-    """A replica the zygote forked: ``pid``, ``poll()`` and ``returncode`` as :class:`subprocess.Popen` has them."""
+    """A replica the zygote forked: ``pid``, ``poll()`` and ``returncode`` as :class:`subprocess.Popen` has them,
+    and ``finished_at``: the ``time.monotonic()`` of the first ``poll()`` that saw it exited."""
 
     def __init__(self, zygote: "Zygote", pid: int) -> None:
-        self.zygote, self.pid, self.returncode = zygote, pid, None
+        self.zygote, self.pid, self.returncode, self.finished_at = zygote, pid, None, None
 
     def poll(self) -> int | None:
         self.returncode = self.zygote.exits.get(self.pid)
+        if self.returncode is not None and self.finished_at is None:
+            self.finished_at = time.monotonic()
         return self.returncode
 
     def wait(self, timeout: float = 30.0) -> int:

@@ -100,3 +100,26 @@ def test_the_drill_refuses_in_one_line_without_torchft(monkeypatch, tmp_path):
     monkeypatch.setattr(ft_drill, "available", lambda: False)
     with pytest.raises(RuntimeError, match=r"pip install 'ddpkit\[ft\]'"):
         ft_drill.run_drill(str(tmp_path))
+
+
+def test_a_replica_left_training_alone_ends_the_drill_with_the_reason():
+    """When the replicas must end together and one has finished, the other waits for a peer that is gone:
+    the drill says so after LONE_FINISH_S instead of running to its timeout; before that, and when the
+    drill's replicas need not end together, nothing is raised."""
+    import time
+
+    from ddpkit import ft_drill
+
+    class Process:  # what the drill reads of a replica process: poll() and finished_at
+        def __init__(self, code, finished_at=None):
+            self.code, self.finished_at = code, finished_at
+
+        def poll(self):
+            return self.code
+
+    long_ago = time.monotonic() - ft_drill.LONE_FINISH_S - 1
+    with pytest.raises(RuntimeError, match="process 0 finished but process 1 still trains alone"):
+        ft_drill._refuse_a_lone_finish([Process(0, long_ago), Process(None)], True, "", "logs")
+    ft_drill._refuse_a_lone_finish([Process(0, long_ago), Process(None)], False, "", "logs")  # need not end together
+    ft_drill._refuse_a_lone_finish([Process(0, time.monotonic()), Process(None)], True, "", "logs")  # just finished
+    ft_drill._refuse_a_lone_finish([Process(0, long_ago), Process(-9), Process(0, long_ago)], True, "", "logs")
