@@ -104,13 +104,18 @@ def test_torchrun_sets_one_omp_thread_only_for_several_processes_per_node():
 
 
 def test_torchrun_workers_are_clients_of_the_agents_store():
-    """04: under TORCHELASTIC_USE_AGENT_STORE=True every rank, rank 0 included, is a TCPStore client."""
+    """04: under TORCHELASTIC_USE_AGENT_STORE=True every rank, rank 0 included, is a TCPStore client (newer
+    torch adds: when the store asked for is the agent's own MASTER_ADDR:MASTER_PORT, as under torchrun)."""
     import importlib
 
     rendezvous = importlib.import_module("torch.distributed.rendezvous")  # the package re-exports a function of that name
     source = inspect.getsource(rendezvous._create_c10d_store)
-    agent_branch = source[source.index("if _torchelastic_use_agent_store()"):source.index("else:")]
+    condition = next(c for c in ("if _torchelastic_use_agent_store()", "if _agent_store_serves(") if c in source)
+    agent_branch = source[source.index(condition):source.index("else:")]
     assert "is_master=False" in agent_branch
+    if "_agent_store_serves" in condition:
+        serves = inspect.getsource(rendezvous._agent_store_serves)
+        assert "_torchelastic_use_agent_store()" in serves and '"MASTER_PORT"' in serves
 
 
 def test_default_collective_timeouts_are_10_minutes_on_nccl_and_30_elsewhere():
