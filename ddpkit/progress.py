@@ -107,6 +107,8 @@ class Display:
             if (fresh or final) and self.losses and (final or now - self.last_draw > REDRAW_S):
                 self._draw_widget(final)
                 self.last_draw = now
+            elif not self.losses and not final and now - self.last_output > HEARTBEAT_S:
+                self._heartbeat(now)  # no widget until the first step: imports, rendezvous, compiling
             return
         quiet = now - self.last_output
         if final:  # finish what text lines started
@@ -117,8 +119,11 @@ class Display:
             print(self._text_line(), flush=True)
             self.last_output, self.shown_step = now, self.steps[-1]
         elif not self.losses and quiet > HEARTBEAT_S:
-            print(f"[ddpkit] {self.world_size} rank(s) running, {now - self.started:.0f} s", flush=True)
-            self.last_output = now
+            self._heartbeat(now)
+
+    def _heartbeat(self, now: float) -> None:
+        print(f"[ddpkit] {self.world_size} rank(s) running, {now - self.started:.0f} s", flush=True)
+        self.last_output = now
 
     def close(self) -> None:
         self.poll(final=True)
@@ -138,6 +143,8 @@ class Display:
         for line in lines:
             if line:
                 event = json.loads(line)
+                if self.steps and event["step"] <= self.steps[-1]:  # a function that trains several runs in turn:
+                    self.steps, self.losses = [], []  # the plot follows the run now training
                 self.steps.append(event["step"])
                 self.losses.append(event["loss"])
                 self.total = event["total"]

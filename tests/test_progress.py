@@ -66,3 +66,21 @@ def test_the_loss_plot_draws_every_point_between_labelled_axes():
     assert len(points) == 4 and "optimizer step" in svg and ">loss<" in svg and ">2<" in svg and ">10<" in svg
     ys = [float(p.split(",")[1]) for p in points]
     assert ys == sorted(ys), "a falling loss is drawn going down (SVG y grows downwards)"
+
+
+def test_a_new_run_in_the_same_launch_starts_a_new_plot(tmp_path):
+    """Several trainers in one launch write one progress file: the display follows the run now training,
+    rather than joining one run's last step to the next run's first."""
+    path = tmp_path / "progress.jsonl"
+    display = progress.Display(str(path), "widget", 2)
+    path.write_text("".join(json.dumps({"step": s, "total": 3, "loss": 2.0 - s / 10}) + "\n" for s in (1, 2, 3, 1, 2)))
+    display._read()
+    assert display.steps == [1, 2] and display.losses == [1.9, 1.8]
+
+
+def test_widget_mode_shows_a_heartbeat_before_the_first_step(capsys, tmp_path, monkeypatch):
+    monkeypatch.setattr(progress, "HEARTBEAT_S", 0.0)
+    monkeypatch.setattr(progress, "POLL_S", 0.0)
+    display = progress.Display(str(tmp_path / "progress.jsonl"), "widget", 2)
+    display.poll()
+    assert "2 rank(s) running" in capsys.readouterr().out

@@ -144,9 +144,13 @@ def time_layouts(ctx, configs: dict, rounds: int = 3, steps: int = 1, probe=(2, 
     under the same load. A time is the slowest rank's. Returns ``{"steps": {name: [seconds...]},
     "probe": [{"flops", "seconds": [per round]}], "links": fitted as by fit_links, to the median over the
     rounds (None without link_sizes)}`` on every rank."""
+    from ddpkit.progress import Reporter
     from ddpkit.train import Trainer
 
     trainers = {name: Trainer(ctx, cfg) for name, cfg in configs.items()}
+    for trainer in trainers.values():  # a few steps of many trainers in turn are no training run to plot:
+        trainer.progress.close()  # the launcher shows its "running" heartbeat instead
+        trainer.progress = Reporter(None)
     runs = _probe(next(iter(configs.values())), probe)
     try:
         for trainer in trainers.values():
