@@ -112,7 +112,8 @@ def test_torchrun_workers_are_clients_of_the_agents_store():
     source = inspect.getsource(rendezvous._create_c10d_store)
     condition = next(c for c in ("if _torchelastic_use_agent_store()", "if _agent_store_serves(") if c in source)
     agent_branch = source[source.index(condition):source.index("else:")]
-    assert "is_master=False" in agent_branch
+    # is_master by name, or (older torch) as TCPStore's fourth positional argument
+    assert "is_master=False" in agent_branch or re.search(r"TCPStore\(\s*\w+,\s*\w+,\s*\w+,\s*False,", agent_branch)
     if "_agent_store_serves" in condition:
         serves = inspect.getsource(rendezvous._agent_store_serves)
         assert "_torchelastic_use_agent_store()" in serves and '"MASTER_PORT"' in serves
@@ -234,7 +235,7 @@ def test_torchruns_agent_logs_the_failed_worker_it_noticed():
     from ddpkit import recovery
 
     source = inspect.getsource(api)
-    assert '"Sending process %s closing signal %s"' in source and '"failed (exitcode: %s) local_rank: %s' in source
+    assert '"Sending process %s closing signal %s"' in source and '"failed (exitcode: %s)' in source
     assert inspect.signature(WorkerSpec).parameters["monitor_interval"].default == 0.1
     line = "W1128 20:10:14.882000 9806 torch/distributed/elastic/multiprocessing/api.py:1028] Sending process 10012 closing signal SIGTERM"
     import time as clock
