@@ -10,8 +10,10 @@ and the resumed runs are compared with the uninterrupted one by hash.
 What this module gives the notebook:
 
 * :func:`capstone_config`: the run (GPT, 4 ranks, lr and steps sized to learn in seconds on a CPU);
-* :class:`Invariants`: a hook that records, every step on every rank, the parameters' L2 norm (all
-  ranks must agree: they hold replicas), that the loss is finite, and the state hashes at each save;
+* :class:`Invariants`: a hook that records, every step on every rank, the parameters' L2 norm (seed
+  004's check: all ranks must agree, they hold replicas) and their sha256 (the stronger one: a norm
+  misses a value whose sign flipped, a hash does not), that the loss is finite, and the state hashes at each
+  save; :func:`replicas_agree` compares the ranks' records;
 * :func:`train_capstone`: a function for ``ddpkit.launch``: the trainer with that hook, plus what the
   model predicts before and after training (greedy continuations against the chain's own);
 * :func:`flops_per_token` and :func:`mfu`: model FLOPs utilisation, for a GPU run.
@@ -52,6 +54,7 @@ class Invariants(Hook):
 
     def __init__(self) -> None:
         self.norms: list[float] = []
+        self.hashes: list[str] = []
         self.finite = True
         self.at_save: dict[int, dict[str, str]] = {}
 
@@ -59,6 +62,7 @@ class Invariants(Hook):
         with torch.no_grad():
             norm = torch.sqrt(sum(p.detach().double().pow(2).sum() for p in trainer.raw_model.parameters()))
         self.norms.append(float(norm))
+        self.hashes.append(metrics.state_sha256(dict(trainer.raw_model.named_parameters())))
         self.finite &= math.isfinite(result.loss) and math.isfinite(float(norm))
 
     def on_saved(self, trainer, step: int) -> None:
@@ -76,6 +80,13 @@ class _AfterSave(Hook):
     def after_step(self, trainer, result: StepResult) -> None:
         if result.checkpoint_s:
             self.invariants.on_saved(trainer, result.step)
+
+
+def replicas_agree(ranks: list[dict]) -> dict[str, bool]:
+    """Whether every rank's record (from :func:`train_capstone`) matches rank 0's at every step: by the
+    parameter norm (``norms``) and by the parameters' sha256 (``hashes``). Replicas must pass both; a
+    drift that keeps the norm (a value's sign flipped on one rank) passes the first and fails the second."""
+    return {name: all(r[name] == ranks[0][name] for r in ranks) for name in ("norms", "hashes")}
 
 
 @torch.no_grad()
@@ -103,7 +114,8 @@ def continuations(model: torch.nn.Module, transition: torch.Tensor, starts: list
 
 def train_capstone(ctx, cfg: TrainConfig, attempt: int = 0, starts: tuple[int, ...] = (0, 7, 21)) -> dict:
     """Train ``cfg`` with the invariants recorded (a function for ``ddpkit.launch``). Returns the run
-    summary, this rank's norms and save hashes, and (rank 0) the model's continuations before and after."""
+    summary, this rank's norms, parameter hashes and save hashes, and (rank 0) the model's continuations
+    before and after."""
     from ddpkit.train import Trainer
 
     invariants = Invariants()
@@ -113,7 +125,8 @@ def train_capstone(ctx, cfg: TrainConfig, attempt: int = 0, starts: tuple[int, .
     before = continuations(trainer.raw_model, transition, list(starts), 10) if ctx.is_main and not trainer.resumed_from else None
     summary = trainer.fit()
     after = continuations(trainer.raw_model, transition, list(starts), 10) if ctx.is_main else None
-    return {"summary": summary, "norms": invariants.norms, "finite": invariants.finite, "at_save": invariants.at_save,
+    return {"summary": summary, "norms": invariants.norms, "hashes": invariants.hashes, "finite": invariants.finite,
+            "at_save": invariants.at_save,
             "before": before, "after": after, "entropy_floor": trainer.dataset.entropy_floor(),
             "params": sum(p.numel() for p in trainer.raw_model.parameters())}
 

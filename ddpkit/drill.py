@@ -97,8 +97,9 @@ QUESTIONS = [
              "after 2000 clean steps (its defaults: 2^16, 0.5, 2.0, 2000)."),
     Question("gpu-failure", "seed 003", "What happens when a GPU (a rank) dies mid-training?",
              "It depends how it dies. A process that exits: on gloo its peers fail at once (their sockets read "
-             "'Connection reset by peer'); on NCCL they block in the collective until the watchdog's timeout (10 minutes by "
-             "default) aborts them. Either way the launcher (ddpkit's monitor, torchrun's agent) sees the exit, names "
+             "'Connection reset by peer' or 'Connection closed by peer'); on NCCL they wait in the collective until "
+             "NCCL reports the lost peer (a remote error, seen over network transports) or the watchdog's timeout "
+             "(10 minutes by default) aborts them. Either way the launcher (ddpkit's monitor, torchrun's agent) sees the exit, names "
              "the rank, stops the rest and restarts the world from the newest checkpoint that verifies. A GPU that hangs "
              "without exiting is worse: no exit code, only a stalled collective; you find it with the NCCL watchdog and "
              "its heartbeat monitor (TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC), Xid errors in the kernel log and per-rank step "
@@ -173,7 +174,10 @@ QUESTIONS = [
              "16 GPUs, 14.0 GB under HSDP with groups of 8."),
     Question("tp-in-node", "lesson 19; Narayanan et al. 2021, section 3", "Why keep tensor parallelism inside a node?",
              "Tensor parallelism all-reduces a whole activation (batch x sequence x width) twice per transformer layer "
-             "in forward and twice in backward (Megatron-LM), on the critical path: the next matmul needs the result. "
+             "in forward and twice in backward (Megatron-LM), between operations that need the result. Some of it "
+             "hides: Megatron-LM runs the input-gradient all-reduce while it computes the weight gradient, and with "
+             "sequence parallelism (reduce-scatter + all-gather) async tensor parallelism cuts the forward's "
+             "collectives into pieces pipelined with the matmuls; the rest still waits on the link. "
              "Pipeline parallelism sends one activation per micro-batch per stage boundary and data parallelism "
              "reduces gradients once per step, mostly behind backward: those tolerate the slow link. So tensor "
              "parallelism up to the GPUs of one node (NVLink), pipeline across nodes, data parallelism for the rest. "

@@ -159,10 +159,15 @@ def peers_after_a_death(cfg, fail_mode: str = "kill", timeout_s: float = 60.0, f
     return {"ended_after_s": ended, "timeout_s": timeout_s, "peers": peers, "fast": bool(peers) and ended < timeout_s / 2}
 
 
+COLLECTIVE_TIMEOUT_S = 10  # the runs' --timeout: a launcher that noticed the death only when a collective
+# timed out would detect it after this long; one that watches its ranks' exits notices within a fraction of it
+
+
 def measure_recovery(workdir: str, launcher: str = "ddpkit", world_size: int = 2, steps: int = 20,
                      fail_at_step: int = 12, timeout_s: float = 300) -> dict[str, float]:
     """Run ``ddpkit train`` (or the same under ``torchrun``) with one rank SIGKILLed after ``fail_at_step``
-    steps and one restart allowed; return :func:`recovery_times` of that run."""
+    steps and one restart allowed; return :func:`recovery_times` of that run. Its collectives time out
+    after :data:`COLLECTIVE_TIMEOUT_S`, so a detection time well under it says the launcher saw the exit."""
     import sys
 
     if launcher not in ("ddpkit", "torchrun"):
@@ -170,7 +175,7 @@ def measure_recovery(workdir: str, launcher: str = "ddpkit", world_size: int = 2
     metrics_dir, ckpt = os.path.join(workdir, "metrics"), os.path.join(workdir, "ckpt")
     train = ["train", "--steps", str(steps), "--checkpoint-dir", ckpt, "--checkpoint-every", "5",
              "--metrics-dir", metrics_dir, "--fail-mode", "kill", "--fail-at-step", str(fail_at_step),
-             "--fail-rank", str(world_size - 1), "--timeout", "10", "--log-every", "1000"]
+             "--fail-rank", str(world_size - 1), "--timeout", str(COLLECTIVE_TIMEOUT_S), "--log-every", "1000"]
     if launcher == "ddpkit":
         cmd = [sys.executable, "-m", "ddpkit", *train, "--world-size", str(world_size), "--max-restarts", "1"]
     else:

@@ -207,6 +207,8 @@ WRONG = {  # a phrase that was written, and why it is wrong
     "NCCL's asynchronous P2P keeps": "NCCL send/recv is asynchronous to the host only; on the GPU it is a rendezvous",
     "about 1.1 nats": "the chain's entropy is measured at 1.418 nats",
     "block in the next collective until the timeout": "on gloo the peers fail at once with a closed connection",
+    "on the critical path: the next matmul needs the result": "Megatron hides the input-gradient all-reduce",
+    "gloo's large sends": "a gloo send of any size waits for its posted receive",
 }
 
 
@@ -214,8 +216,9 @@ def _kit_text() -> dict[str, str]:
     import nbformat
 
     texts = {"README.md": (REPO / "README.md").read_text()}
-    for path in sorted((REPO / "notebooks").glob("[01][0-9]_*.ipynb")):  # the core lessons 01-16
-        texts[path.name] = "\n".join(c.source for c in nbformat.read(path, as_version=4).cells)
+    for path in sorted([*(REPO / "notebooks").glob("*.ipynb"), *(REPO / "exercises").rglob("*.ipynb")]):
+        texts[str(path.relative_to(REPO))] = "\n".join(c.source for c in nbformat.read(path, as_version=4).cells)
+    texts["exercises/README.md"] = (REPO / "exercises" / "README.md").read_text()
     for path in sorted((REPO / "ddpkit").rglob("*.py")):
         texts[str(path.relative_to(REPO))] = path.read_text()
     return texts

@@ -21,7 +21,7 @@ def _two_ranks(ctx):
 
 def _four_ranks(ctx):
     return {"hsdp": fsdp_depth.run_fsdp(ctx, mesh="hsdp"), "shard_only": fsdp_depth.run_fsdp(ctx, mesh="shard-only"),
-            "ddp": fsdp_depth.run_ddp(ctx)}
+            "ddp": fsdp_depth.run_ddp(ctx), "flat": fsdp_depth.run_fsdp(ctx, steps=1)}
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +83,9 @@ def test_hsdp_places_replicate_shard_and_matches_ddp():
     assert hsdp["group_sizes"]["all_gather"] == hsdp["group_sizes"]["reduce_scatter"] == [2]
     for rank in ranks:
         assert max(abs(a - b) for a, b in zip(rank["hsdp"]["losses"], rank["ddp"]["losses"])) < 1e-5
+    # state divided by the shard group (2), not the world (4): twice what FSDP over all four holds
+    shard_bytes = lambda run: run["held"][0]["before_forward"]["sharded"]
+    assert shard_bytes(hsdp) == shard_bytes(shard_only) == 2 * shard_bytes(ranks[0]["flat"]) > 0
     # negative control: the same shard groups without the replicate all-reduce drift away from DDP
     assert shard_only["per_step"]["backward_all_reduce"] == 0
     assert max(abs(a - b) for a, b in zip(shard_only["losses"], ranks[0]["ddp"]["losses"])) > 1e-5

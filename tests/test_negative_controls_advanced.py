@@ -394,3 +394,32 @@ def test_without_pruning_every_checkpoint_stays(tmp_path, monkeypatch):
     assert four_saves(tmp_path / "kept") == newest_three
     monkeypatch.setattr(checkpoint, "prune", lambda root, keep_last, keep=None: None)
     assert four_saves(tmp_path / "removed") != newest_three
+
+
+def _capstone_with_a_sign_flipped_on_rank_1(ctx, cfg):
+    """The capstone's run, with one weight's sign flipped on rank 1 after the last step: the norm stays
+    bitwise what the other ranks hold (the same squares at the same places); the bytes do not."""
+    from ddpkit import capstone
+
+    recorded = capstone.Invariants.after_step
+
+    def after_step(self, trainer, result):
+        if ctx.rank == 1 and result.step == cfg.steps:
+            with torch.no_grad():
+                trainer.raw_model.lm_head.weight.view(-1)[0] *= -1
+        recorded(self, trainer, result)
+
+    capstone.Invariants.after_step = after_step
+    return capstone.train_capstone(ctx, cfg)
+
+
+def test_the_capstones_replica_check_catches_a_flipped_sign_only_by_hash():
+    """Notebook 15's replica invariants (``capstone.replicas_agree``): on real DDP ranks both the norms
+    and the hashes agree; with one weight's sign flipped on one rank after the last step the norms still
+    agree (seed 004's check misses it) and the hashes do not."""
+    from ddpkit import capstone
+
+    cfg = capstone.capstone_config(2, 3, dataset_size=256, checkpoint_format="full")
+    assert capstone.replicas_agree(launch(capstone.train_capstone, cfg, world_size=2, output="none")) == {"norms": True, "hashes": True}
+    flipped = launch(_capstone_with_a_sign_flipped_on_rank_1, cfg, world_size=2, output="none")
+    assert capstone.replicas_agree(flipped) == {"norms": True, "hashes": False}

@@ -12,6 +12,7 @@ import pytest
 
 from ddpkit.notebook import read_records
 from ddpkit.parallel import fsdp, pipeline, plan
+from ddpkit.recovery import COLLECTIVE_TIMEOUT_S
 
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((REPO / "notebooks").glob("[0-9][0-9]*_*.ipynb"))
@@ -274,8 +275,7 @@ def check_14(records):
     assert set(recovery) == {"ddpkit", "torchrun"} and recovery["ddpkit"]["detection_s"] > 0
     for t in recovery.values():  # torchrun's detection is read from its agent's log, to the millisecond
         assert t["detection_s"] > -0.001 and t["restore_s"] > 0 and t["first_step_s"] > 0 and t["total_s"] > t["restart_s"] > 0
-        parts = ("detection_s", "restart_s", "restore_s", "first_step_s")
-        assert abs(sum(t[p] for p in parts) - t["total_s"]) < 1e-6
+        assert t["detection_s"] < COLLECTIVE_TIMEOUT_S / 2  # the launcher saw the exit, no collective timed out
 
 
 def check_15(records):
@@ -283,7 +283,7 @@ def check_15(records):
     assert learning["last"] < learning["chance"] / 2 and learning["zero_gap"] <= 1e-4
     assert records["predictions"]["after"] >= records["predictions"]["before"] + 0.5
     invariants = records["invariants"]
-    assert invariants["same_norms"] and invariants["optimizer_bytes"] == invariants["expected"]
+    assert invariants["same_norms"] and invariants["same_hashes"] and invariants["optimizer_bytes"] == invariants["expected"]
     resume = records["resume"]
     assert resume["round_trip"] and resume["on4_bitwise"] and resume["on2_same_data"] and resume["on2_gap"] <= 1e-4
     assert resume["on4_same"] == {"param_sha256": True, "optimizer_sha256": True, "data_sha256": True}
@@ -311,7 +311,6 @@ def check_16(records):
     assert e["correct"]["same_data"] and e["correct"]["max_loss_gap"] <= 1e-5 and e["correct"]["param_l2_gap"] <= 1e-5
     tp = e["strategy"]
     assert tp["forward_all_reduces"] == tp["backward_all_reduces"] == 2 * tp["layers"] and tp["output_diff"] <= 1e-6
-    assert tp["tp_bytes"] > tp["pp_bytes"]
     memory_70b = e["memory-70b"]
     assert memory_70b["worst_gap"] < 0.05
     assert memory_70b["fewest_gpus"] == {"7B ddp": "never", "7B zero1": 2, "7B fsdp2": 2, "70B ddp": "never", "70B zero1": "never",
@@ -335,14 +334,18 @@ def check_16(records):
     assert len(set(ring["blocks"])) == 1 and ring["max_diff"] < 1e-4 and set(ring["on4"]["zigzag"]) == {9}
     experts = e["experts"]
     assert experts["capacity_4096"] == 1280 and all(d >= 0 for d in experts["dropped"])
-    bubbles = {row["schedule"]: row for row in e["pipeline-bubbles"]}
+    assert e["pipeline-bubbles"]["ran_as_generated"] == {"interleaved": True, "zero-bubble": True}
+    bubbles = {row["schedule"]: row for row in e["pipeline-bubbles"]["rows"]}
     assert all(bubbles[n]["idle / ideal compute (simulated)"] == bubbles[n]["formula"] for n in ("1F1B", "interleaved, v = 2", "ZB-H1"))
     assert bubbles["ZB-V"]["idle inside each rank"] == "0.00%"
     knobs = e["fsdp-knobs"]
-    assert knobs["hsdp_gb"]["HSDP, groups of 8"] == 2 * knobs["hsdp_gb"]["FSDP, 16 GPUs"]
+    assert knobs["hsdp_gb"]["HSDP, groups of 8"] == 2 * knobs["hsdp_gb"]["FSDP, 16 GPUs"]  # the calculator's answer ...
+    if knobs["fsdp2_ran"]:  # ... and what real ranks hold
+        assert knobs["hsdp_measured"]["HSDP, 2 x 2"] == 2 * knobs["hsdp_measured"]["FSDP, 4 ranks"] > 0
     assert len(knobs["held"]) == (2 if knobs["fsdp2_ran"] else 0) and knobs["fsdp2_ran"] == fsdp.cpu_supported()
     assert all(row["bytes held between (measured)"] == row["calculator"] for row in knobs["held"])
     assert e["tp-in-node"]["across_s"] > e["tp-in-node"]["inside_s"] and e["tp-in-node"]["flat_distinct"] == 1
+    assert e["tp-in-node"]["per_layer"] == 4
 
 
 def check_19(records):

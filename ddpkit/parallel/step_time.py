@@ -283,6 +283,10 @@ def stage_params(model: ModelSpec, layout: Layout) -> tuple[float, float]:
     return dense / layout.tp, per_stage * expert / (layout.tp * layout.ep)
 
 
+TP_ALL_REDUCES_PER_LAYER = 4  # Megatron's f and g around attention and the MLP: 2 in forward, 2 in backward
+# (the count ddpkit.parallel.tensor's layers make on real ranks: tests/test_tensor.py, notebook 16)
+
+
 def step_time(model: ModelSpec, cluster: Cluster, layout: Layout, precision: str = "bf16-mixed",
               overlap: Overlap = Overlap()) -> dict[str, float]:
     """Seconds of one optimizer step by term, for the slowest pipeline stage (the most layers, and the
@@ -297,7 +301,7 @@ def step_time(model: ModelSpec, cluster: Cluster, layout: Layout, precision: str
     compute = forward * passes / cluster.flops + L * passes * cluster.layer_overhead_s
     attention = tokens * L * 4 * model.seq_len * model.d_model / tp * passes / cluster.flops
     activation = tokens * model.d_model * act
-    calls = L * (6 if layout.checkpointing else 4)  # per layer: 2 forward, 2 backward, 2 more to recompute
+    calls = L * (TP_ALL_REDUCES_PER_LAYER + (2 if layout.checkpointing else 0))  # and 2 more to recompute
     tp_comm = calls * collective_seconds("all_reduce", activation, tp, link(cluster, layout, "tp"))
     cp_comm = L * (cp - 1) * passes * collective_seconds("p2p", 2 * tokens * model.kv_dim / tp * act, 2, link(cluster, layout, "cp", "p2p"))
     ep_comm = 0.0
