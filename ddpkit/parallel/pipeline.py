@@ -200,7 +200,7 @@ def run_pipeline(ctx, cfg, schedule_name: str, n_micro: int, micro: int, repeats
     difference between its parameters' gradients and the unsplit model's on the same batch, each
     forward and backward chunk's (start, end) on the shared monotonic clock (the last repeat), and the
     measured activation bytes of one micro-batch on this stage."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.distributed.pipelining import PipelineStage
 
     from ddpkit.errors import UserError
     from ddpkit.models import build_model, loss_fn
@@ -224,23 +224,10 @@ def run_pipeline(ctx, cfg, schedule_name: str, n_micro: int, micro: int, repeats
         # embedding cannot take: give it the output shape too, so that it runs nothing
         width = cfg.vocab_size if s == p - 1 else cfg.d_model
         shapes = {"input_args": (example,), "output_args": (torch.zeros(micro, cfg.seq_len, width, device=device),)}
-    stage = PipelineStage(module, s, p, device, group=dist.group.WORLD, **shapes)
     timeline: list[dict] = []
-    stage.forward_one_chunk = _timed(timeline, "F", stage.forward_one_chunk, device)
-    stage.backward_one_chunk = _timed(timeline, "B", stage.backward_one_chunk, device)
-    cls = ScheduleGPipe if schedule_name == "gpipe" else Schedule1F1B
-    options = {"scale_grads": False} if "scale_grads" in inspect.signature(cls.__init__).parameters else {}
-    pipe = cls(stage, n_micro, loss_fn=lambda out, target: micro_batch_loss(out, target, n_micro), **options)
+    pipe = _timed_schedule(ctx, module, schedule_name, n_micro, timeline, shapes)
     for _ in range(repeats):
-        timeline.clear()
-        module.zero_grad(set_to_none=True)
-        dist.barrier(**({"device_ids": [device.index]} if device.type == "cuda" else {}))
-        if s == 0:
-            pipe.step(tokens)
-        elif s == p - 1:
-            pipe.step(target=tokens)
-        else:
-            pipe.step()
+        _timed_step(ctx, module, pipe, tokens, timeline)
     whole = build_model(cfg).to(device)
     loss_fn(whole(tokens), tokens).backward()
     names = {id(q): n for n, q in model.named_parameters()}
@@ -249,6 +236,67 @@ def run_pipeline(ctx, cfg, schedule_name: str, n_micro: int, micro: int, repeats
     probe = example if s == 0 else torch.randn(micro, cfg.seq_len, cfg.d_model, device=device, requires_grad=True)
     return {"stage": s, "blocks": [start, end], "grad_diff": grad_diff, "timeline": timeline,
             "activation_bytes_per_micro": activation_bytes(module, probe)}
+
+
+def _timed_schedule(ctx, module, schedule_name: str, n_micro: int, timeline: list, shapes: dict):
+    """A ``PipelineStage`` of ``module`` for this rank, its forward and backward chunks recorded into
+    ``timeline``, under torch's GPipe or 1F1B schedule for ``n_micro`` micro-batches."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    stage = PipelineStage(module, ctx.rank, ctx.world_size, ctx.device, group=dist.group.WORLD, **shapes)
+    stage.forward_one_chunk = _timed(timeline, "F", stage.forward_one_chunk, ctx.device)
+    stage.backward_one_chunk = _timed(timeline, "B", stage.backward_one_chunk, ctx.device)
+    cls = ScheduleGPipe if schedule_name == "gpipe" else Schedule1F1B
+    options = {"scale_grads": False} if "scale_grads" in inspect.signature(cls.__init__).parameters else {}
+    return cls(stage, n_micro, loss_fn=lambda out, target: micro_batch_loss(out, target, n_micro), **options)
+
+
+def _timed_step(ctx, module, pipe, tokens: torch.Tensor, timeline: list) -> None:
+    """One pipelined step from a barrier, with ``timeline`` holding only its chunks."""
+    timeline.clear()
+    module.zero_grad(set_to_none=True)
+    dist.barrier(**({"device_ids": [ctx.device.index]} if ctx.device.type == "cuda" else {}))
+    if ctx.rank == 0:
+        pipe.step(tokens)
+    elif ctx.rank == ctx.world_size - 1:
+        pipe.step(target=tokens)
+    else:
+        pipe.step()
+
+
+def bubble_pairs(ctx, cfg, schedule_name: str, few: int, many: int, micro: int, pairs: int) -> dict:
+    """Notebook 13's timing lesson in one start of the ranks (a function for ``ddpkit.launch``): ``pairs``
+    pairs of steps back to back, one on ``few`` micro-batches and one on ``many`` (which goes first
+    alternates from pair to pair), each timed chunk by chunk. Returns this stage's timelines, keyed by
+    ``(pair, n_micro)``, for :func:`measured_timeline` and :func:`bubble` in the caller. A pair taken within
+    a few hundred milliseconds meets the same load on both of its steps; a pair of separate launches
+    seconds apart does not. Both schedules drive the same stage module, one ``PipelineStage`` each."""
+    from ddpkit.models import build_model
+
+    model = build_model(cfg).to(ctx.device)
+    start, end = stage_bounds(cfg.n_layers, ctx.world_size)[ctx.rank]
+    module = GPTStage(model, start, end)
+    torch.manual_seed(0)
+    tokens = {m: torch.randint(0, cfg.vocab_size, (m * micro, cfg.seq_len)).to(ctx.device) for m in (few, many)}
+    timeline: list[dict] = []
+    pipes = {m: _timed_schedule(ctx, module, schedule_name, m, timeline, {}) for m in (few, many)}
+    for m in (few, many):  # warm-up: the first step of a schedule sets up its buffers
+        _timed_step(ctx, module, pipes[m], tokens[m], timeline)
+    out = {}
+    for pair in range(pairs):
+        for m in ((few, many) if pair % 2 == 0 else (many, few)):
+            _timed_step(ctx, module, pipes[m], tokens[m], timeline)
+            out[(pair, m)] = list(timeline)
+    return {"stage": ctx.rank, "timelines": out}
+
+
+def bubble_drops(results: list[dict], few: int, many: int) -> list[float]:
+    """Per pair of :func:`bubble_pairs`: the bubble with ``few`` micro-batches minus the one with ``many``."""
+    def bubble_of(pair: int, m: int) -> float:
+        return bubble(measured_timeline([{"stage": r["stage"], "timeline": r["timelines"][(pair, m)]} for r in results]))
+
+    pairs = sorted({pair for pair, _ in results[0]["timelines"]})
+    return [bubble_of(pair, few) - bubble_of(pair, many) for pair in pairs]
 
 
 def measured_timeline(results: list[dict]) -> list[dict]:
