@@ -102,7 +102,7 @@ def check_05(records):
     assert memory["as_view=True"]["distinct_bytes"] * 2 == memory["as_view=False"]["distinct_bytes"]
     amp = records["amp_throughput"]
     speedup = amp["sizes"][amp["large"]]["bf16_speedup"]  # by name: the records are stored with sorted keys
-    assert (speedup > 1.0) == amp["expect_bf16_faster"] or abs(speedup - 1.0) < 0.1, (speedup, amp)
+    assert amp["verdict"] == "unclear" or (amp["verdict"] == "above") == amp["expect_bf16_faster"], (speedup, amp)
     copies = records["bucket_copies"]
     assert copies["True"] == [copies["params"]] * 3 and copies["False"][1:] == [0, 0]
     assert records["tf32"] == {"default": "highest", "high": True, "highest": False}
