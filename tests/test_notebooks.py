@@ -383,7 +383,7 @@ def check_17(records):
     assert len(set(balance["zigzag"])) == 1 and balance["contiguous"][-1] > balance["contiguous"][0]
     assert balance["measured"] == {"zigzag": balance["zigzag"], "contiguous": balance["contiguous"]}
     assert balance["cpu_ratio"][-1] > 1.3 * balance["cpu_ratio"][0]
-    assert records["overlap"]["hidden_s"] < records["overlap"]["exposed_s"]
+    assert records["overlap"]["verdict"] != "above"  # posting first never waits longer for the bytes, pair by pair
     assert all(r == records["memory"]["world"] for r in records["memory"]["ratios"])
     assert records["gpt"]["max_diff"] <= 1e-6 and records["gpt"]["bytes_ratio"] == records["memory"]["world"]
     cp = records["torch_cp"]

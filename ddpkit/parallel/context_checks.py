@@ -127,6 +127,8 @@ def measure_overlap(ctx, batch: int = 4, heads: int = 4, seq_len: int = 1024, he
     taking the connection's lock, which its own thread holds while reading an arriving message), and the
     per-hop timeline. The median, not the least: on a busy machine either mode has runs far off its
     usual, in both directions (serial runs waiting on the bytes less than most overlapped ones included).
+    ``pairs``: per repeat, the overlapped run's waiting on the bytes over the serial run's (all ranks), for
+    :func:`ddpkit.timing.verdict`.
 
     The split sets the ranks' records side by side on ``time.monotonic``, one clock for every process of
     one machine: it holds for ranks sharing a machine, as here."""
@@ -151,7 +153,10 @@ def measure_overlap(ctx, batch: int = 4, heads: int = 4, seq_len: int = 1024, he
                    "bytes_sent": stats[0].bytes_sent + stats[1].bytes_sent}
             runs[mode].append(row)
     # every rank computed the same totals from the same records, so every rank picks the same run
-    return {mode: sorted(rows, key=lambda row: row["all_ranks_on_bytes_s"])[len(rows) // 2] for mode, rows in runs.items()}
+    medians = {mode: sorted(rows, key=lambda row: row["all_ranks_on_bytes_s"])[len(rows) // 2] for mode, rows in runs.items()}
+    # each repeat ran the two modes back to back: a pair for a sign test (overlapped over serial, all ranks)
+    pairs = [o["all_ranks_on_bytes_s"] / max(s["all_ranks_on_bytes_s"], 1e-9) for o, s in zip(runs["overlap"], runs["serial"])]
+    return {**medians, "pairs": pairs}
 
 
 def measure_balance(ctx, batch: int = 2, heads: int = 4, seq_len: int = 1024, head_dim: int = 32,
