@@ -80,9 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cp", type=int, default=d.cp, help="context-parallel degree (the GPT's sequences split; world = dp x cp x tp x pp)")
     p.add_argument("--experts", type=int, default=d.experts,
                    help="GPT: replace each MLP by a mixture of this many experts (0: the dense MLP)")
-    p.add_argument("--top-k", type=int, default=d.top_k, help="with --experts: experts per token")
-    p.add_argument("--capacity-factor", type=float, default=d.capacity_factor,
-                   help="with --experts: an expert takes at most factor x top-k x tokens / experts; the rest are dropped")
+    p.add_argument("--top-k", type=int, default=None, help=f"with --experts: experts per token (default {d.top_k})")
+    p.add_argument("--capacity-factor", type=float, default=None,
+                   help="with --experts: an expert takes at most factor x top-k x tokens / experts; the rest are "
+                        f"dropped (default {d.capacity_factor})")
     p.add_argument("--ep", type=int, default=d.ep,
                    help="expert-parallel degree: the experts split over ep ranks, tokens sent by all-to-all")
     p.add_argument("--activation-checkpointing", action="store_true",
@@ -144,6 +145,13 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
                          "use torchrun to span machines")
     fields = {k: v for k, v in vars(args).items() if k not in ("command", "launcher")}
     fields["world_size"] = world_size if world_size is not None else TrainConfig.world_size
+    routing = [flag for flag, name in (("--top-k", "top_k"), ("--capacity-factor", "capacity_factor")) if fields[name] is not None]
+    if routing and not args.experts:  # a dense GPT has no router: the flag would be ignored without a word
+        raise ValueError(f"{' and '.join(routing)} shape{'' if len(routing) > 1 else 's'} a mixture of experts: "
+                         f"add --experts E, or drop {' and '.join(routing)}")
+    for name in ("top_k", "capacity_factor"):
+        if fields[name] is None:
+            fields[name] = getattr(TrainConfig, name)
     if fields["checkpoint_format"] is None:
         fields["checkpoint_format"] = default_checkpoint_format(args)
     return TrainConfig(**fields)

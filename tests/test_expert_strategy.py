@@ -153,10 +153,13 @@ def test_the_summary_counts_tokens_per_expert_and_drops(ep_runs):
     (("--world-size", "4", "--experts", "4", "--top-k", "5", "--model", "gpt"), "top-k 5 must be between 1 and"),
     (("--world-size", "4", "--experts", "4", "--capacity-factor", "0", "--model", "gpt"), "capacity-factor must be in (0, 64]"),
     (("--world-size", "4", "--experts", "4", "--capacity-factor", "65", "--model", "gpt"), "capacity-factor must be in (0, 64]"),
+    (("--model", "gpt", "--top-k", "1"), "--top-k shapes a mixture of experts: add --experts E, or drop --top-k"),
+    (("--model", "gpt", "--capacity-factor", "2", "--top-k", "1"), "--top-k and --capacity-factor shape a mixture of experts"),
     (("--world-size", "4", "--experts", "4", "--model", "mlp"), "use --model gpt"),
     (("--world-size", "4", "--experts", "4", "--amp", "fp16", "--model", "gpt"), "use --amp bf16 or off"),
     (("--world-size", "4", "--experts", "4", "--activation-checkpointing", "--model", "gpt"), "drop --activation-checkpointing"),
-], ids=["experts", "world", "mlp", "no-experts", "tp", "cp", "pp", "fsdp2", "top-k", "capacity-0", "capacity-65", "moe-mlp",
+], ids=["experts", "world", "mlp", "no-experts", "tp", "cp", "pp", "fsdp2", "top-k", "capacity-0", "capacity-65", "top-k-dense",
+        "routing-dense", "moe-mlp",
         "fp16", "recompute"])
 def test_bad_ep_layouts_are_refused_in_one_line_before_any_rank_starts(capsys, args, words):
     assert cli.main(["train", *args]) == 2
