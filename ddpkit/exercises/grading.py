@@ -130,7 +130,7 @@ def _safe(name: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in name) or "learner"
 
 
-def main(paths: list[str], jobs: int = 1, out: str = "grades", time_scale: float = 1.0) -> int:
+def main(paths: list[str], jobs: int = 1, out: str = "grades", time_scale: float = 1.0, memory_gb: float = 6.0) -> int:
     """Grade, print the table and each failed check's sentence, write the reports; 0 when all passed."""
     missing = [p for p in paths if not Path(p).exists()]
     if missing:
@@ -146,6 +146,7 @@ def main(paths: list[str], jobs: int = 1, out: str = "grades", time_scale: float
               "exercises/solutions/): git clone https://github.com/ddpkit/ddpkit and run it there", file=sys.stderr)
         return 2
     autograde.TIME_SCALE["value"] = time_scale
+    autograde.MEMORY_MB["value"] = int(memory_gb * 1024)
     graded = grade_all(paths, jobs)
     if not graded:
         print(f"ddpkit: error: no notebook (.ipynb) under {', '.join(paths)}", file=sys.stderr)
