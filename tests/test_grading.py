@@ -496,6 +496,26 @@ def test_a_rank_that_never_answers_is_told_hung_or_too_slow_by_its_cpu_use(what,
     assert time.monotonic() - started < 45
 
 
+def _every_rank_receives_first(ctx):
+    import torch
+    import torch.distributed as dist
+
+    incoming = torch.empty(4)
+    dist.recv(incoming, (ctx.rank - 1) % ctx.world_size)  # nobody sends: gloo gives up after the timeout
+    dist.send(torch.ones(4), (ctx.rank + 1) % ctx.world_size)
+
+
+def test_ranks_that_all_wait_to_receive_are_told_a_deadlock_not_gloos_text():
+    from ddpkit.exercises import run_on_ranks
+
+    started = time.monotonic()
+    result = run_on_ranks("f", _every_rank_receives_first, world_size=3, timeout=4.0)
+    assert not result.passed and re.match(r"deadlock: ranks? [\d, and]+ waited 4 s for a message or a collective that no "
+                                          r"peer sent or joined", result.message), result.message
+    assert ".cc" not in result.message and len(result.message) < 200
+    assert time.monotonic() - started < 45
+
+
 def test_the_collective_timeout_is_sized_from_the_measured_baseline():
     from ddpkit.exercises import timing
 

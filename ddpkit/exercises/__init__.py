@@ -16,7 +16,9 @@ own answer or PyTorch's feature, reached under any name, is refused.
 An untouched stub (it raises ``NotImplementedError``) gets "not implemented yet: write <name> between the
 markers". Code that raises on one rank, or hangs on one rank, gets a sentence naming the rank, within a
 limit sized from this machine's measured speed (:mod:`ddpkit.exercises.timing`), which also tells a rank
-that hung (no CPU used) from one that was only too slow here.
+that hung (no CPU used) from one that was only too slow here. Ranks that all gave up waiting for each
+other (gloo's own timeouts, in a send or a receive) get a sentence about the deadlock, not gloo's file
+and line.
 
 One module per lesson group (``data``, ``step``, ``ddp``, ``collectives``, ``sharding``, ``fsdp``,
 ``checkpointing``, ...); :mod:`~ddpkit.exercises.catalog` lists every exercise, its checks and what it
@@ -141,7 +143,7 @@ def _deadlock(errors: list) -> str | None:
         return (f"deadlock: {_ranks(receives)} waited {waited:.0f} s for a message or a collective that no peer sent or "
                 f"joined: look at which rank each one waits on, and whether that rank ever gets there")
     if closed:
-        return (f"{_ranks(closed)} lost the connection to a peer that ended or gave up while they waited: look for a "
+        return (f"{_ranks(closed)} lost the connection to a peer that ended or gave up while waiting: look for a "
                 f"message or a collective that not every rank reaches")
     return None
 

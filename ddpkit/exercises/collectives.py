@@ -5,7 +5,8 @@ The contract: ``fn(tensor)`` sums ``tensor`` over all ranks in place, using only
 2, 3 and 4 real ranks for lengths from 1 to a few thousand, ragged ones included, on float32 tensors of
 integer values drawn when it runs (so any summation order gives the same bits; each rank holds only its
 own), then on 3 ranks on float64 and int64 tensors of values near 2^40 (which float32 cannot hold: a
-buffer or a message in float32 shows), and compares every rank's result with the sum it computes itself. Every c10d operation the function issues is recorded at the dispatcher
+buffer or a message in float32 shows), and compares every rank's result with the sum it computes itself.
+Every c10d operation the function issues is recorded at the dispatcher
 (:class:`ddpkit.exercises.witness.Collectives`), so a collective reached by any name (an alias, the
 process group's own method, a functional collective) is seen, and each message is counted once,
 blocking ``send`` or ``isend`` alike. At length >= 1000 on >= 3 ranks each rank must send about

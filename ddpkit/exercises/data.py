@@ -122,7 +122,8 @@ def check_sampler(cls) -> Result:
             resumed = _global_batches([run["resumed"] for run in runs], batch)
             epoch, done = sizes["resume_epoch"], sizes["resume_batches"]
             if resumed != streams[world][epoch][done:]:
-                raise Wrong(f"resumed at {_start(sizes)} samples ({done} global batch{'es' if done > 1 else ''} into epoch {epoch}) on {world} "
+                batches_done = f"{done} global batch{'es' if done > 1 else ''}"
+                raise Wrong(f"resumed at {_start(sizes)} samples ({batches_done} into epoch {epoch}) on {world} "
                             f"ranks, the rest of the epoch differs from the uninterrupted run's: iterate from the "
                             f"position set by set_consumed")
         except Wrong as exc:

@@ -14,8 +14,8 @@ two layers (one parameter, one gradient): the parameters must equal, on every ra
 that averages the ranks' gradients, which the grader computes itself (atol 1e-6, after every step), and
 every step's all-reduces must carry the gradients' bytes once (a shared weight sent twice shows). The
 parameters right after construction, after each step and the bytes tell the mistakes apart (a missing
-broadcast, no all-reduce, a sum, a hard-coded divisor: :mod:`ddpkit.exercises.ddp_verdict`). Every c10d operation is recorded at the dispatcher
-(:class:`ddpkit.exercises.witness.Collectives`) with its bytes, launch and completion times, and every
+broadcast, no all-reduce, a sum, a hard-coded divisor: :mod:`ddpkit.exercises.ddp_verdict`). Every c10d
+operation is recorded at the dispatcher (:class:`ddpkit.exercises.witness.Collectives`) with its bytes, launch and completion times, and every
 wait for a collective's completion while backward runs is counted (``Work.wait`` and its kin, a future's
 ``wait`` or ``value``, ``torch.futures.wait_all``, polling ``is_completed``: :class:`_Waits`). Stage 2 and
 3 must launch their all-reduces while backward runs and never wait for one inside backward: that is what
