@@ -121,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--out", default="grades", help="folder for grades.csv, grades.md and each results.json")
     c.add_argument("--time-scale", type=float, default=1.0,
                    help="multiply every time limit (they are sized from this machine's measured speed)")
+    c.add_argument("--memory-gb", type=float, default=6.0,
+                   help="resident memory one notebook's grading may use, all its processes together (lower it on a "
+                        "small machine, or with --jobs N)")
     e = commands.add_parser("exercises", help="the student bundle, a reset to the stub, the generated notebooks")
     actions = e.add_subparsers(dest="action", required=True, parser_class=_Parser)
     actions.add_parser("export", help="write the student notebooks (no solutions) into a new folder").add_argument("folder")

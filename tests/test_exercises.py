@@ -9,7 +9,9 @@ cases are registered next to their tests (:func:`grade`) and graded once, by the
 import contextlib
 import dataclasses
 import functools
+import importlib.util
 import linecache
+import re
 import time
 from pathlib import Path
 
@@ -137,8 +139,16 @@ class IgnoresTheSeed(Sampler):  # a fixed seed of its own: reshuffled each epoch
         return order[offset + self.rank:self.per_epoch:self.world]
 
 
+class ShufflesOnlyTheKept(Sampler):  # randperm of the epoch's floor(N/G) x G: the last N mod G never train
+    def _mine(self):
+        epoch, offset = divmod(self.consumed, self.per_epoch)
+        order = torch.randperm(self.per_epoch, generator=torch.Generator().manual_seed(self.seed + epoch)).tolist()
+        return order[offset + self.rank:self.per_epoch:self.world]
+
+
 SamplerStub = load("02_sampler.ipynb", "ResumableDistributedSampler", solved=False)
-grade(check_sampler, Sampler, Blocked, SamplerStub, OnlyTheFirstEpoch, NeverReshuffles, GlobalRandom, IgnoresTheSeed)
+grade(check_sampler, Sampler, Blocked, SamplerStub, OnlyTheFirstEpoch, NeverReshuffles, GlobalRandom, IgnoresTheSeed,
+      ShufflesOnlyTheKept)
 
 
 def test_sampler_check(verdicts):
@@ -150,6 +160,31 @@ def test_sampler_check(verdicts):
     assert "every epoch has the same global batches" in v(check_sampler, NeverReshuffles).message
     assert "another order" in v(check_sampler, GlobalRandom).message
     assert "another seed gave the same order: the shuffle must depend on the seed" in v(check_sampler, IgnoresTheSeed).message
+    kept = v(check_sampler, ShufflesOnlyTheKept).message
+    assert re.search(r"over 10 epochs of \d+ of the \d+ samples, \d+ \(e\.g\. sample \d+\) were never trained: which "
+                     r"samples may an epoch leave out", kept) and len(kept) < 200, kept
+
+
+def test_the_sampler_checks_sizes_and_resume_points_are_drawn_and_leave_no_right_sampler_out():
+    """N, G and the resume point vary from draw to draw within the bounds the contract states, and for each
+    drawn size a shuffle of all N samples (the solution's) trains every sample within the check's epochs:
+    the rule that catches ShufflesOnlyTheKept above never rejects it."""
+    import random
+
+    from ddpkit.exercises.data import EPOCHS, draw
+
+    drawn = [draw(random.Random(seed)) for seed in range(40)]
+    assert len({(d["n"], d["batch"]) for d in drawn}) > 10 and len({d["resume_epoch"] for d in drawn}) > 3
+    assert len({d["resume_batches"] for d in drawn}) > 2
+    for d in drawn:
+        n, g = d["n"], d["batch"]
+        assert g % 12 == 0 and 1 <= n % g <= g // 3 and n // g >= 4 and 1 <= d["resume_batches"] < n // g
+        assert n * (n % g / n) ** EPOCHS < 1e-8  # a right shuffle misses a sample in every epoch this rarely
+        trained = set()
+        for epoch in range(EPOCHS):
+            order = torch.randperm(n, generator=torch.Generator().manual_seed(d["seed"] + epoch)).tolist()
+            trained |= set(order[:n // g * g])
+        assert trained == set(range(n)), d
 
 
 # --------------------------------------------------------------------------- the train step
@@ -158,12 +193,12 @@ train_step = load("05_train_step.ipynb", "train_step")
 
 
 def mistaken_step(ddp_model, optimizer, scaler, micro_batches, loss_fn, grad_clip, *, forward_in_no_sync=True,
-                  divide=True, unscale_first=True):
-    """The solution's step with one of its three rules broken (each variant below breaks one)."""
+                  divide=True, unscale_first=True, divisor=None):
+    """The solution's step with one of its rules broken (each variant below breaks one)."""
     optimizer.zero_grad()
-    n, losses = len(micro_batches), []
+    n, losses = divisor or len(micro_batches), []  # a divisor written as a number: right for one grad_accum only
     for k, (x, y) in enumerate(micro_batches):
-        sync = contextlib.nullcontext() if k == n - 1 else ddp_model.no_sync()
+        sync = contextlib.nullcontext() if k == len(micro_batches) - 1 else ddp_model.no_sync()
         if forward_in_no_sync:
             with sync:
                 loss = loss_fn(ddp_model(x), y) / (n if divide else 1)
@@ -186,6 +221,7 @@ def mistaken_step(ddp_model, optimizer, scaler, micro_batches, loss_fn, grad_cli
 backward_only_in_no_sync = functools.partial(mistaken_step, forward_in_no_sync=False)
 not_divided = functools.partial(mistaken_step, divide=False)
 clip_before_unscale = functools.partial(mistaken_step, unscale_first=False)
+divides_by_4 = functools.partial(mistaken_step, divisor=4)  # the old check's grad_accum, hard-coded
 
 
 def zero_grad_last(ddp_model, optimizer, scaler, micro_batches, loss_fn, grad_clip):
@@ -205,18 +241,36 @@ def never_zero_grad(ddp_model, optimizer, scaler, micro_batches, loss_fn, grad_c
 
 train_step_stub = load("05_train_step.ipynb", "train_step", solved=False)
 grade(check_train_step, train_step, zero_grad_last, train_step_stub, backward_only_in_no_sync, not_divided,
-      clip_before_unscale, never_zero_grad)
+      clip_before_unscale, never_zero_grad, divides_by_4)
 
 
 def test_train_step_check(verdicts):
     v = verdicts
     assert v(check_train_step, train_step).passed and v(check_train_step, zero_grad_last).passed
+    assert re.search(r"with [235] micro-batches on [23] ranks and [235] micro-batches on [23] ranks",
+                     v(check_train_step, train_step).message), v(check_train_step, train_step).message
     assert v(check_train_step, train_step_stub).message.startswith("not implemented yet")
-    assert v(check_train_step, backward_only_in_no_sync).message.startswith(
-        "4 all-reduces in one step with grad_accum 4: is the forward inside no_sync")
-    assert v(check_train_step, not_divided).message.startswith("the update is 4x the big-batch one: the 4 micro-batches'")
+    assert re.match(r"([235]) all-reduces in one step with grad_accum \1: is the forward inside no_sync",
+                    v(check_train_step, backward_only_in_no_sync).message)
+    assert re.match(r"the update is ([235])x the big-batch one: the \1 micro-batches'", v(check_train_step, not_divided).message)
     assert "the clip saw the loss-scaled gradient" in v(check_train_step, clip_before_unscale).message
     assert "is anything left from the step before?" in v(check_train_step, never_zero_grad).message
+    by_4 = v(check_train_step, divides_by_4).message  # grad_accum is never 4 now: a written 4 fails every run
+    assert re.match(r"on [23] ranks with grad_accum ([235]) the update is \d\.\d\dx the big-batch one: does the loss's "
+                    r"divisor follow the number of micro-batches", by_4) and len(by_4) < 200, by_4
+
+
+def test_the_train_steps_runs_are_drawn_so_that_no_written_divisor_passes():
+    """Every draw runs on 2 and on 3 ranks, each with its own grad_accum from {2, 3, 5}: a divisor written as
+    a number equals at most one of them, so it fails the other (the unscaled run, or the scaled run's
+    first step, whose clip does not bind: a binding clip would hide a wrong scale)."""
+    from ddpkit.exercises.step import ACCUMS, plan
+
+    plans = [plan() for _ in range(30)]
+    for runs in plans:
+        assert sorted(w for w, _, _ in runs) == [2, 3] and len({a for _, a, _ in runs}) == 2
+        assert all(a in ACCUMS for _, a, _ in runs) and [s for _, _, s in runs] == [False, True]
+    assert len({tuple(runs) for runs in plans}) > 3
 
 
 # --------------------------------------------------------------------------- the ring
@@ -248,17 +302,84 @@ def raises_on_rank_1(tensor):
     ring_all_reduce(tensor)
 
 
+def with_autograds_all_reduce(tensor):  # torch's collective with autograd, from torch.distributed.nn
+    from torch.distributed.nn.functional import all_reduce
+
+    tensor.copy_(all_reduce(tensor))
+
+
+def _float32_ring(tensor, carry):
+    """The solution's ring with float32 buffers (``carry=False``: received in float32, whatever the tensor) or
+    with float32 messages too (``carry=True``: sent as float32 and added back in the tensor's dtype)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    chunks = list(torch.tensor_split(tensor, world))
+    right, left = (rank + 1) % world, (rank - 1) % world
+
+    def exchange(send_index, recv_index):
+        incoming = torch.empty(chunks[recv_index].numel())  # float32: the default dtype
+        out = chunks[send_index].float() if carry else chunks[send_index].contiguous()
+        for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, out, right), dist.P2POp(dist.irecv, incoming, left)]):
+            work.wait()
+        return incoming.to(tensor.dtype) if carry else incoming
+
+    for step in range(world - 1):
+        i = (rank - step - 1) % world
+        chunks[i] += exchange((rank - step) % world, i)
+    for step in range(world - 1):
+        i = (rank - step) % world
+        chunks[i].copy_(exchange((rank - step + 1) % world, i))
+
+
+def float32_buffers(tensor):
+    _float32_ring(tensor, carry=False)
+
+
+def float32_messages(tensor):
+    _float32_ring(tensor, carry=True)
+
+
+def every_rank_sends_first(tensor):  # blocking send, then receive, on every rank: gloo's send waits for its receive
+    world, rank = dist.get_world_size(), dist.get_rank()
+    incoming = torch.empty_like(tensor)
+    dist.send(tensor.contiguous(), (rank + 1) % world)
+    dist.recv(incoming, (rank - 1) % world)
+    tensor += incoming
+
+
 ring_stub = load("09_ring_all_reduce.ipynb", "ring_all_reduce", solved=False)
-grade(check_ring_all_reduce, ring_all_reduce, ring_stub, gather_on_rank_0, with_a_collective, raises_on_rank_1)
+grade(check_ring_all_reduce, ring_all_reduce, ring_stub, gather_on_rank_0, with_a_collective, raises_on_rank_1,
+      with_autograds_all_reduce, float32_buffers, float32_messages, every_rank_sends_first)
 
 
 def test_ring_check(verdicts):  # a rank that hangs inside the ring: tests/test_grading.py's room (eve)
     v = verdicts
     assert v(check_ring_all_reduce, ring_all_reduce).passed
+    assert "and for float64 and int64 tensors" in v(check_ring_all_reduce, ring_all_reduce).message
     assert v(check_ring_all_reduce, ring_stub).message.startswith("not implemented yet")
     assert "does one rank collect or send the whole tensor?" in v(check_ring_all_reduce, gather_on_rank_0).message
     assert "calls dist.all_reduce, a collective" in v(check_ring_all_reduce, with_a_collective).message
     assert v(check_ring_all_reduce, raises_on_rank_1).message.startswith("rank 1 raised ValueError: an off-by-one on rank 1")
+    assert v(check_ring_all_reduce, with_autograds_all_reduce).message.startswith(
+        "ring_all_reduce calls torch.distributed.nn.functional.all_reduce, a collective with autograd: build the sum")
+
+
+def test_ring_check_tries_the_dtypes_the_contract_names(verdicts):
+    """float32 passes in both variants; float64 (values near 2^40) shows buffers and messages kept in float32."""
+    v = verdicts
+    buffers, messages = v(check_ring_all_reduce, float32_buffers).message, v(check_ring_all_reduce, float32_messages).message
+    assert buffers.startswith("with float64 tensors on 3 ranks (float32 ones sum right): ") and \
+        buffers.endswith("are the receive buffers of the tensor's dtype?"), buffers
+    assert re.match(r"on 3 ranks a float64 tensor of length \d+: rank \d's result differs from the sum, where float32 ones "
+                    r"sum right: is every value carried in the tensor's own dtype\?", messages), messages
+    assert len(buffers) <= 200 and len(messages) <= 200
+
+
+def test_a_deadlocking_ring_is_told_as_a_deadlock_not_in_gloos_words(verdicts):
+    """Every rank's blocking send waits for a receive no rank posts: gloo's timeouts ("unbound_buffer.cc:129
+    Timed out waiting 5000ms for send op") reach the learner as one sentence about sends and receives."""
+    said = verdicts(check_ring_all_reduce, every_rank_sends_first).message
+    assert re.match(r"deadlock: ranks? [\d, and]+ waited \d+ s in a send that no peer received", said), said
+    assert "a send waits" in said and "matching receive" in said and ".cc" not in said and len(said) <= 200, said
 
 
 def _ring_with(exchange):
@@ -408,7 +529,26 @@ class WholeParameters:  # CS336's design: each rank owns whole parameters, round
             p.grad = None
 
 
+class TorchsZeroRedundancy:  # torch's ZeRO-1, the feature the exercise rebuilds, behind the contract's name
+    def __init__(self, params, lr, betas, eps, weight_decay):
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        self.params = list(params)
+        self.inner = ZeroRedundancyOptimizer(self.params, optimizer_class=torch.optim.AdamW, lr=lr, betas=betas,
+                                             eps=eps, weight_decay=weight_decay)
+
+    def step(self):
+        for p in self.params:
+            dist.all_reduce(p.grad)
+            p.grad /= dist.get_world_size()
+        self.inner.step()
+
+    def zero_grad(self):
+        self.inner.zero_grad()
+
+
 ZeroStub = load("10_zero1.ipynb", "ZeroAdamW", solved=False)
+grade(check_zero1, TorchsZeroRedundancy)
 grade(check_zero1, ZeroAdamW, ZeroStub, NoAllGather, SumNotMean, WholeState, HiddenWholeState, KeepsItsBuffers,
       WholeParameters)  # a whole AdamW kept in a closure: tests/test_grading.py's BYPASSES
 
@@ -423,6 +563,8 @@ def test_zero1_check(verdicts):
     assert "on 4 ranks a rank keeps" in v(check_zero1, HiddenWholeState).message
     assert v(check_zero1, KeepsItsBuffers).passed, "a kept all-gather buffer is a layout, not optimizer state"
     assert v(check_zero1, WholeParameters).passed, "CS336's parameter-granular ZeRO-1 is right too"
+    assert v(check_zero1, TorchsZeroRedundancy).message == "ZeroAdamW uses torch's ZeroRedundancyOptimizer, the feature " \
+        "this exercise rebuilds: shard the state yourself", v(check_zero1, TorchsZeroRedundancy).message
 
 
 # --------------------------------------------------------------------------- the checkpoint
@@ -596,7 +738,33 @@ def backward_first(p, m):
 from ddpkit.exercises.pipeline import check_one_f_one_b  # noqa: E402
 
 one_f_one_b = load("13_one_f_one_b.ipynb", "one_f_one_b")
-grade(check_one_f_one_b, one_f_one_b, gpipe, backward_first)
+class _RecordingStage:  # what torch's Schedule1F1B drives: here it only writes down the order asked of it
+    def __init__(self, stage, p, order):
+        self.stage_index, self.num_stages, self.order = stage, p, order
+        self.is_first, self.is_last = stage == 0, stage == p - 1
+
+    def forward_one_chunk(self, micro, *args, **kwargs):
+        self.order.append(("F", micro))
+
+    def backward_one_chunk(self, micro, **kwargs):
+        self.order.append(("B", micro))
+
+    def __getattr__(self, name):  # the sends, receives, losses and reductions: nothing to do
+        return lambda *args, **kwargs: []
+
+
+def torchs_schedule(p, m):  # the order read off torch's Schedule1F1B, run on stages that only record it
+    from torch.distributed.pipelining.schedules import Schedule1F1B
+
+    orders = []
+    for s in range(p):
+        order = []
+        Schedule1F1B(_RecordingStage(s, p, order), max(m, p))._step_microbatches([()] * m, [{}] * m)
+        orders.append(order)
+    return orders
+
+
+grade(check_one_f_one_b, one_f_one_b, gpipe, backward_first, torchs_schedule)
 
 
 def test_one_f_one_b_check(verdicts):
@@ -604,6 +772,8 @@ def test_one_f_one_b_check(verdicts):
     assert v(check_one_f_one_b, one_f_one_b).passed
     assert "holds at most p - s" in v(check_one_f_one_b, gpipe).message
     assert "deadlocks" in v(check_one_f_one_b, backward_first).message
+    assert v(check_one_f_one_b, torchs_schedule).message == "one_f_one_b uses torch's Schedule1F1B, the schedule this " \
+        "exercise asks for: order the actions yourself", v(check_one_f_one_b, torchs_schedule).message
 
 
 # --------------------------------------------------------------------------- interleaved 1F1B (lesson 13)
@@ -889,11 +1059,86 @@ class TorchInside(torch.nn.Module):  # torch's DDP, with a comm hook, behind the
         pass
 
 
+class NeverAllReduces(NaiveDDP):  # broadcasts, then each rank steps on its own gradient
+    def finish(self):
+        pass
+
+
+class SumsNotAverages(NaiveDDP):
+    def finish(self):
+        for p in self.params:
+            dist.all_reduce(p.grad)
+
+
+class NaiveNoBroadcast(NaiveDDP):  # the same final symptom as NeverAllReduces, another cause
+    def __init__(self, module):
+        real = dist.broadcast
+        dist.broadcast = lambda *args, **kwargs: None
+        try:
+            super().__init__(module)
+        finally:
+            dist.broadcast = real
+
+
+class TiedWeightTwice(NaiveDDP):  # each module's own parameters: the weight two layers share is listed twice
+    def __init__(self, module):
+        super().__init__(module)
+        self.params = [p for m in module.modules() for p in m.parameters(recurse=False) if p.requires_grad]
+
+
+class FrozenToo(NaiveDDP):  # every parameter, the frozen one (no gradient) included
+    def __init__(self, module):
+        super().__init__(module)
+        self.params = list(module.parameters())
+
+
+class FrozenInABucket(BucketedDDP):  # the frozen parameter's bucket waits for a gradient that never comes
+    def __init__(self, module, bucket_bytes):
+        frozen = [p for p in module.parameters() if not p.requires_grad]
+        for p in frozen:
+            p.requires_grad_(True)  # as if the wrapper bucketed module.parameters() whatever they require
+        try:
+            super().__init__(module, bucket_bytes)
+        finally:
+            for p in frozen:
+                p.requires_grad_(False)
+
+
+class PlainTorchDDP(torch.nn.Module):  # torch's DDP, no comm hook: its reducer does everything
+    def __init__(self, module, bucket_bytes=None):
+        super().__init__()
+        self.inner = torch.nn.parallel.DistributedDataParallel(module)
+
+    def forward(self, *args):
+        return self.inner(*args)
+
+    def finish(self):
+        pass
+
+
+class TorchReplicate(torch.nn.Module):  # torch's composable replicate (DDP underneath)
+    def __init__(self, module, bucket_bytes=None):
+        super().__init__()
+        from torch.distributed._composable.replicate import replicate
+
+        self.inner = replicate(module)
+
+    def forward(self, *args):
+        return self.inner(*args)
+
+    def finish(self):
+        pass
+
+
 from ddpkit.exercises.ddp import check_bucketed_ddp, check_naive_ddp, check_overlap_ddp  # noqa: E402
 
-grade(check_naive_ddp, NaiveDDP, DividesByTwo, TorchInside)
-grade(check_overlap_ddp, OverlapDDP, WaitsAtOnce, WaitsOnTheFuture, PollsUntilDone)
-grade(check_bucketed_ddp, BucketedDDP, IgnoresBucketBytes, AllReduceAtTheEnd, NoBroadcast, BlockingBuckets)
+HAS_REPLICATE = importlib.util.find_spec("torch.distributed._composable.replicate") is not None
+TORCHS_OWN = (PlainTorchDDP, TorchReplicate) if HAS_REPLICATE else (PlainTorchDDP,)
+grade(check_naive_ddp, NaiveDDP, DividesByTwo, TorchInside, NeverAllReduces, SumsNotAverages, NaiveNoBroadcast,
+      TiedWeightTwice, FrozenToo, *TORCHS_OWN)
+grade(check_overlap_ddp, OverlapDDP, WaitsAtOnce, WaitsOnTheFuture, PollsUntilDone, *TORCHS_OWN)
+grade(check_bucketed_ddp, BucketedDDP, IgnoresBucketBytes, AllReduceAtTheEnd, NoBroadcast, BlockingBuckets,
+      FrozenInABucket, *TORCHS_OWN)
 
 
 def test_ddp_from_scratch_checks(verdicts):
@@ -914,6 +1159,50 @@ def test_ddp_from_scratch_bucketed_mistakes(verdicts):
     assert "were launched while backward ran" in v(check_bucketed_ddp, AllReduceAtTheEnd).message
     assert "start from rank 0's weights" in v(check_bucketed_ddp, NoBroadcast).message
     assert "waited on while backward ran" in v(check_bucketed_ddp, BlockingBuckets).message
+
+
+def test_ddp_from_scratch_tells_a_missing_broadcast_from_a_missing_all_reduce(verdicts):
+    """Both end with replicas that differ; the parameters right after construction tell them apart, and
+    a sum shows as a step of world-times the length along the averaged gradient's direction."""
+    v = verdicts
+    no_broadcast = v(check_naive_ddp, NaiveNoBroadcast).message
+    never = v(check_naive_ddp, NeverAllReduces).message
+    summed = v(check_naive_ddp, SumsNotAverages).message
+    assert no_broadcast == "on 2 ranks, right after NaiveDDP(model) returned, rank 1 held other parameters than rank 0: " \
+                           "do all replicas start from rank 0's weights?", no_broadcast
+    assert never.startswith("on 2 ranks rank 1 started with rank 0's parameters but differed from them after step 1: "
+                            "do the ranks step on the same gradient?"), never
+    assert summed == "on 2 ranks the parameters moved 2x as far as averaging the ranks' gradients would: a sum over " \
+                     "the ranks where a mean belongs", summed
+    assert all(len(m) < 200 for m in (no_broadcast, never, summed))
+
+
+def test_ddp_from_scratch_catches_a_mishandled_frozen_or_tied_parameter(verdicts):
+    """The model has a frozen bias (no gradient) and a weight two layers share: listing the shared weight
+    twice sends its gradient twice (the parameters still come out right: the bytes show it); reducing
+    the frozen one's None gradient, or waiting for it in a bucket, is told as such."""
+    v = verdicts
+    tied = v(check_naive_ddp, TiedWeightTwice).message
+    frozen = v(check_naive_ddp, FrozenToo).message
+    bucket = v(check_bucketed_ddp, FrozenInABucket).message
+    assert re.match(r"on 2 ranks one step all-reduced [\d,]+ bytes, but the gradients hold [\d,]+: is some gradient "
+                    r"sent twice", tied), tied
+    assert frozen == "finish() raised TypeError on a gradient that is None: which parameters have no gradient after " \
+                     "backward?", frozen
+    assert re.match(r"on 2 ranks a step all-reduced [\d,]+ of the [\d,]+ gradient bytes: is a bucket waiting for a "
+                    r"gradient that never comes\?", bucket), bucket
+
+
+@pytest.mark.parametrize("check", [check_naive_ddp, check_overlap_ddp, check_bucketed_ddp], ids=lambda c: c.check)
+def test_ddp_from_scratch_refuses_torchs_ddp_and_replicate_in_every_stage(verdicts, check):
+    """Torch's DDP without a comm hook, and torch's replicate where this torch has it, behind each stage's
+    class name: refused when they run (the classes are passed by reference, no source text is read)."""
+    name = {"naive": "NaiveDDP", "overlap": "OverlapDDP", "buckets": "BucketedDDP"}[check.check]
+    assert verdicts(check, PlainTorchDDP).message == \
+        f"{name} runs torch's DistributedDataParallel (its reducer does the work): build the hooks and buckets yourself"
+    if HAS_REPLICATE:
+        assert verdicts(check, TorchReplicate).message == \
+            f"{name} runs torch's replicate (DDP underneath): build the hooks and buckets yourself"
 
 
 MyFSDP = load("10_fsdp_from_scratch.ipynb", "MyFSDP")
@@ -980,6 +1269,25 @@ class SumsGradients(MyFSDP):
 
 from ddpkit.exercises.fsdp import check_fsdp  # noqa: E402
 
+class TorchsFullyShard(torch.nn.Module):  # FSDP2's fully_shard, the feature the exercise rebuilds
+    def __init__(self, module):
+        super().__init__()
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        self.module = fully_shard(module, mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
+
+    def shard_parameters(self):
+        return list(self.module.parameters())
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def finish(self):
+        pass
+
+
+grade(check_fsdp, TorchsFullyShard)
 grade(check_fsdp, MyFSDP, AllReduceGradients, NeverFrees, KeepsAGatheredCopy, ShardTooLong, SumsGradients,
       KeepsACopyInAClosure)
 
@@ -993,6 +1301,8 @@ def test_fsdp_from_scratch_check(verdicts):
     assert "between steps the wrapper still holds" in v(check_fsdp, KeepsACopyInAClosure).message
     assert "where ceil(P/N) elements make" in v(check_fsdp, ShardTooLong).message
     assert "the parameters differ from DDP's" in v(check_fsdp, SumsGradients).message
+    assert v(check_fsdp, TorchsFullyShard).message == "MyFSDP runs torch's fully_shard (FSDP2), the feature this " \
+        "exercise rebuilds: gather and scatter yourself", v(check_fsdp, TorchsFullyShard).message
 
 
 rank_wiring = load("08_rank_wiring.ipynb", "rank_wiring")

@@ -86,9 +86,10 @@ def test_ddpkit_check_grades_a_mixed_room_from_the_code_alone(tmp_path):
     }
     for name, nb in learners.items():
         nbformat.write(nb, room / f"{name}_09_ring_all_reduce.ipynb")
-    (room / "fay").mkdir()  # a folder per learner works too; the published solution, renamed
+    (room / "fay").mkdir()  # a folder per learner works too; the published solution notebook itself, renamed
     (room / "fay" / "my_ring_09_ring_all_reduce.ipynb").write_bytes(
         (EXERCISES / "solutions" / "09_ring_all_reduce.ipynb").read_bytes())
+    nbformat.write(notebook_with(_typed_solution("09_ring_all_reduce")), room / "joy_09_ring_all_reduce.ipynb")
     (room / "hal").mkdir()  # two more exercises: the first stage of three right, and a plainly wrong answer
     ddp = nbformat.read(EXERCISES / "05_ddp_from_scratch.ipynb", as_version=4)
     master = nbformat.read(EXERCISES / "solutions" / "05_ddp_from_scratch.ipynb", as_version=4)
@@ -110,13 +111,16 @@ def test_ddpkit_check_grades_a_mixed_room_from_the_code_alone(tmp_path):
     header = table[0]
     rows = {row[0]: dict(zip(header[1:], row[1:])) for row in table[1:]}
     assert header == ["learner", "05_ddp_from_scratch", "07_global_mean_loss", "09_ring_all_reduce", "00_build_it_live",
-                      "total"], header
+                      "total", "notes"], header
     assert rows["ada"]["09_ring_all_reduce"] == "10/10" and rows["ada"]["total"] == "10/10"
     for name in ("bob", "cy", "dee", "eve", "gus"):
         assert rows[name]["09_ring_all_reduce"] == "0/10", (name, proc.stdout)
-    assert rows["fay"]["09_ring_all_reduce"] == "0/10*"
+    assert rows["fay"]["09_ring_all_reduce"] == "0/10!"  # the solution notebook itself: certain, no points
+    assert rows["joy"]["09_ring_all_reduce"] == "10/10*" and rows["joy"]["total"] == "10/10"  # typed: points, review
+    assert "the code matches the published solution" in rows["joy"]["notes"], rows["joy"]
+    assert rows["fay"]["notes"].startswith("09_ring_all_reduce!: the published solution notebook itself")
     assert rows["hal"] == {"05_ddp_from_scratch": "10/30", "07_global_mean_loss": "0/10", "09_ring_all_reduce": "-",
-                           "00_build_it_live": "-", "total": "10/40"}, rows["hal"]
+                           "00_build_it_live": "-", "total": "10/40", "notes": ""}, rows["hal"]
     assert rows["ivy"]["00_build_it_live"] == "0/90", rows["ivy"]  # 8 checks, the last worth 20
     said = [line for line in proc.stdout.splitlines() if ".ipynb  " in line]
     assert any("07_global_mean_loss.ipynb  global_mean_loss: on 2 ranks the ranks report different losses" in line
@@ -129,10 +133,17 @@ def test_ddpkit_check_grades_a_mixed_room_from_the_code_alone(tmp_path):
     assert "SyntaxError" in lines["dee"]
     assert "rank 1 hung" in lines["eve"], lines["eve"]  # named, within a limit sized from the machine's speed
     assert "the kit's own ring" in lines["gus"]
-    assert "published solution, unchanged" in proc.stdout
+    assert "the published solution notebook itself" in lines["my"] and "no points" in lines["my"], lines["my"]
     assert all(len(line.split(": ", 1)[-1]) < 200 for line in lines.values())
     report = json.loads((tmp_path / "grades" / "ada" / "results.json").read_text())
     assert report["exercises"]["09_ring_all_reduce"]["otter"]["tests"][-1]["score"] == 10
+    assert "flag" not in report["exercises"]["09_ring_all_reduce"]
+    joy = json.loads((tmp_path / "grades" / "joy" / "results.json").read_text())["exercises"]["09_ring_all_reduce"]
+    assert joy["flag"] == "review" and joy["score"] == 10 and "points kept, to review" in joy["note"], joy
+    fay = json.loads((tmp_path / "grades" / "fay" / "results.json").read_text())["exercises"]["09_ring_all_reduce"]
+    assert fay["flag"] == "solution_notebook" and fay["score"] == 0 and all(c["passed"] for c in fay["checks"]), fay
+    markdown = (tmp_path / "grades" / "grades.md").read_text()
+    assert "- joy, 09_ring_all_reduce: the code matches the published solution" in markdown and "`*` to review" in markdown
     assert (tmp_path / "grades" / "grades.md").read_text().startswith(
         "| learner | 05_ddp_from_scratch | 07_global_mean_loss | 09_ring_all_reduce | 00_build_it_live | total |")
     assert elapsed < 600
@@ -172,6 +183,38 @@ def test_reset_puts_the_stub_back_and_export_leaves_the_solutions_out(tmp_path):
     assert refused.returncode == 2 and "not empty" in refused.stderr
 
 
+def _links_a_bundle_cannot_follow(nb) -> list[str]:
+    """Markdown link targets that are not absolute web addresses (a bundle holds only the student notebooks)."""
+    return [target for cell in nb.cells if cell.cell_type == "markdown"
+            for target in re.findall(r"\]\(([^)\s]+)\)", cell.source) if not re.match(r"https?://", target)]
+
+
+def test_student_notebooks_link_to_lessons_and_solutions_a_bundle_can_reach():
+    """An exported bundle has no solutions/ and no notebooks/ folder: every link a student notebook holds is
+    a web address (the repository on GitHub), which the old relative links were not."""
+    old = nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell(
+        "**Lesson:** [09](../notebooks/09_collectives.ipynb) · **Solution:** [09](solutions/09_ring_all_reduce.ipynb)")])
+    assert _links_a_bundle_cannot_follow(old) == ["../notebooks/09_collectives.ipynb", "solutions/09_ring_all_reduce.ipynb"]
+    for path in sorted(EXERCISES.glob("*.ipynb")):
+        nb = nbformat.read(path, as_version=4)
+        assert _links_a_bundle_cannot_follow(nb) == [], path.name
+        intro = nb.cells[0].source
+        assert f"exercises/solutions/{path.name})" in intro and "a student bundle has none" in intro, path.name
+
+
+def test_the_guides_total_time_is_the_sum_of_its_table():
+    """exercises/README.md states how long the exercises take in all: the sum of its table's times (00's range
+    aside, which it names on its own)."""
+    guide = (EXERCISES / "README.md").read_text()
+    rows = [line for line in guide.splitlines() if re.match(r"\| \d\d\w? \| \[", line)]
+    times = [line.rstrip(" |").rsplit("|", 1)[1].strip() for line in rows]
+    assert len(rows) == len(list(EXERCISES.glob("*.ipynb"))), len(rows)
+    total = sum(int(t.split()[0]) for t in times if re.fullmatch(r"\d+ min", t))
+    assert [t for t in times if not re.fullmatch(r"\d+ min", t)] == ["60-90 min"]
+    stated = re.search(r"The exercises add up to about (\d+) minutes", guide)
+    assert stated and int(stated.group(1)) == total, (stated and stated.group(1), total)
+
+
 def test_export_outside_a_clone_says_so_in_one_line(tmp_path, monkeypatch, capsys):
     """A pip-installed ddpkit has no exercises/ folder: the bundle and the reset are made from its masters."""
     import argparse
@@ -186,6 +229,7 @@ def test_export_outside_a_clone_says_so_in_one_line(tmp_path, monkeypatch, capsy
 
 
 @pytest.mark.parametrize("args, says", [(("check", "--jobs", "0", "x"), "--jobs must be at least 1"),
+                                        (("check", "--memory-gb", "0.1", "x"), "--memory-gb must be between 0.5 and 1024"),
                                         (("check", "nowhere"), "no such file or folder")])
 def test_check_refuses_bad_input_in_one_line(args, says):
     proc = run_cli(*args)
@@ -246,6 +290,57 @@ def _solution_code(exercise: str) -> str:
 
     return learner_code(nbformat.read(EXERCISES / "solutions" / f"{exercise}.ipynb", as_version=4),
                         catalog.exercise(exercise).names)
+
+
+def _typed_solution(exercise: str, renames: dict[str, str] | None = None) -> str:
+    """The published solution as a learner could type it: no comments, no otter markers, variables renamed."""
+    import ast
+
+    from ddpkit.exercises.submissions import _solution_only
+
+    code = ast.unparse(ast.parse(_solution_only(_solution_code(exercise))))
+    for old, new in (renames or {"incoming": "received", "world": "size"}).items():
+        code = re.sub(rf"\b{old}\b", new, code)
+    return code
+
+
+BROADCAST_TYPED = """import torch
+import torch.distributed as dist
+
+
+def broadcast_parameters(net):
+    with torch.no_grad():
+        for weight in net.parameters():
+            dist.broadcast(weight.data, src=0)
+"""
+BROADCAST_OTHER = """import torch.distributed as dist
+
+
+def broadcast_parameters(model):
+    for name, p in model.named_parameters():
+        dist.broadcast(p.detach(), 0)
+"""
+
+
+def test_code_matching_the_solution_keeps_its_points_and_only_the_solution_notebook_itself_scores_0():
+    """Exercise 04's natural answer is the solution's, whatever the names: it is flagged for review, never
+    zeroed; a notebook carrying the master's own cells is the solution notebook (certain), zeroed only
+    with the published code unchanged."""
+    from ddpkit.exercises import submissions
+    from ddpkit.exercises.sources import learner_code
+
+    exercise, names = "04_broadcast_parameters", ("broadcast_parameters",)
+    student = nbformat.read(EXERCISES / f"{exercise}.ipynb", as_version=4)
+    master = nbformat.read(EXERCISES / "solutions" / f"{exercise}.ipynb", as_version=4)
+    typed = submissions.provenance(exercise, student, BROADCAST_TYPED)
+    assert typed and typed[0] == submissions.REVIEW and "points kept" in typed[1], typed
+    assert submissions.provenance(exercise, student, BROADCAST_OTHER) is None  # right, and its own
+    assert submissions.provenance(exercise, student, learner_code(student, names)) is None  # the stub
+    itself = submissions.provenance(exercise, master, learner_code(master, names))
+    assert itself and itself[0] == submissions.SOLUTION_NOTEBOOK and "no points" in itself[1], itself
+    edited = submissions.provenance(exercise, master, BROADCAST_OTHER)  # written inside the solution notebook
+    assert edited and edited[0] == submissions.REVIEW and "with code of its own" in edited[1], edited
+    assert not submissions.is_solution_notebook(student)
 
 
 CONSTANT_07 = "def global_mean_loss(loss_sum, count):\n    return 0.8\n"
@@ -335,8 +430,36 @@ def test_cheats_on_the_grader_itself_are_refused_and_a_memory_hog_is_stopped():
         assert rows and all(not r["passed"] for r in rows), (exercise, code, rows)
         assert says in rows[0]["message"] and len(rows[0]["message"]) <= 200, (exercise, code, rows)
     assert not probe.exists()
-    assert not hog[0]["passed"] and hog[0]["message"].startswith("used more than 4 GB of memory"), hog
+    assert not hog[0]["passed"] and hog[0]["message"].startswith("used more than 4.5 GB of memory"), hog
     assert time.monotonic() - started < 180
+
+
+MEAN_LOSS_OWN = ("import torch\nimport torch.distributed as dist\n\n\ndef global_mean_loss(loss_sum, count):\n"
+                 "    both = torch.tensor([loss_sum, count], dtype=torch.float64)\n"
+                 "    dist.all_reduce(both, op=dist.ReduceOp.SUM)\n    return both[0].item() / both[1].item()\n")
+GROWS_WITHOUT_END = ("import time\nimport torch\n\n\ndef global_mean_loss(loss_sum, count):\n    kept = []\n"
+                     "    while True:  # 10 MB every 20 ms, on every rank\n"
+                     "        kept.append(torch.ones(2_500_000))\n        time.sleep(0.02)\n")
+
+
+def test_ddpkit_check_stops_a_memory_hog_in_bounded_time_and_says_so(tmp_path):
+    """Through ddpkit check itself: a notebook whose ranks grow a list without end is stopped at the room's
+    --memory-gb (all its processes together) with a sentence; the next learner's notebook still gets its
+    points."""
+    room = tmp_path / "room"
+    room.mkdir()
+    nbformat.write(_student_07(GROWS_WITHOUT_END, check_cell=False), room / "hog_07_global_mean_loss.ipynb")
+    nbformat.write(_student_07(MEAN_LOSS_OWN, check_cell=False), room / "kim_07_global_mean_loss.ipynb")
+    started = time.monotonic()
+    proc = run_cli("check", str(room), "--memory-gb", "3", "--out", str(tmp_path / "grades"), timeout=600)
+    elapsed = time.monotonic() - started
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    rows = {row[0]: row for row in csv.reader((tmp_path / "grades" / "grades.csv").read_text().splitlines())}
+    assert rows["hog"][1] == "0/10" and rows["kim"][1] == "10/10", rows
+    said = [line for line in proc.stdout.splitlines() if "hog_07_global_mean_loss.ipynb  global_mean_loss: " in line]
+    assert said and said[0].endswith("used more than 3 GB of memory: look for a tensor or a list that grows without end"), \
+        proc.stdout
+    assert elapsed < 240, elapsed
 
 
 def test_the_kits_and_torchs_own_answers_are_refused_and_a_constant_fails():
@@ -370,6 +493,26 @@ def test_a_rank_that_never_answers_is_told_hung_or_too_slow_by_its_cpu_use(what,
     started = time.monotonic()
     result = run_on_ranks("f", _waits_for_rank_1, what, world_size=2, timeout=4.0)
     assert not result.passed and result.message.startswith(says), result.message
+    assert time.monotonic() - started < 45
+
+
+def _every_rank_receives_first(ctx):
+    import torch
+    import torch.distributed as dist
+
+    incoming = torch.empty(4)
+    dist.recv(incoming, (ctx.rank - 1) % ctx.world_size)  # nobody sends: gloo gives up after the timeout
+    dist.send(torch.ones(4), (ctx.rank + 1) % ctx.world_size)
+
+
+def test_ranks_that_all_wait_to_receive_are_told_a_deadlock_not_gloos_text():
+    from ddpkit.exercises import run_on_ranks
+
+    started = time.monotonic()
+    result = run_on_ranks("f", _every_rank_receives_first, world_size=3, timeout=4.0)
+    assert not result.passed and re.match(r"deadlock: ranks? [\d, and]+ waited 4 s for a message or a collective that no "
+                                          r"peer sent or joined", result.message), result.message
+    assert ".cc" not in result.message and len(result.message) < 200
     assert time.monotonic() - started < 45
 
 

@@ -16,7 +16,9 @@ own answer or PyTorch's feature, reached under any name, is refused.
 An untouched stub (it raises ``NotImplementedError``) gets "not implemented yet: write <name> between the
 markers". Code that raises on one rank, or hangs on one rank, gets a sentence naming the rank, within a
 limit sized from this machine's measured speed (:mod:`ddpkit.exercises.timing`), which also tells a rank
-that hung (no CPU used) from one that was only too slow here.
+that hung (no CPU used) from one that was only too slow here. Ranks that all gave up waiting for each
+other (gloo's own timeouts, in a send or a receive) get a sentence about the deadlock, not gloo's file
+and line.
 
 One module per lesson group (``data``, ``step``, ``ddp``, ``collectives``, ``sharding``, ``fsdp``,
 ``checkpointing``, ...); :mod:`~ddpkit.exercises.catalog` lists every exercise, its checks and what it
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -106,8 +109,50 @@ def _failure(name: str, children: list, timeout: float) -> Result:
                                  f"for a loop that never ends")
         return Result(False, f"rank {rank.rank} hung: its peers waited {timeout:.0f} s while it used no CPU, for a message "
                              f"or a collective that it never sent or joined")
+    deadlock = _deadlock(errors)
+    if deadlock:
+        return Result(False, deadlock)
     cause = errors[0]
     return Result(False, f"rank {cause.rank} raised {cause.error.get('type')}: {_short(str(cause.error.get('message')))}")
+
+
+_GLOO_TIMEOUT = re.compile(r"Timed out waiting (\d+)ms for (send|recv) op")
+
+
+def _deadlock(errors: list) -> str | None:
+    """The sentence for ranks that all gave up waiting (gloo's own timeouts, or a peer that closed the
+    connection after its timeout): a deadlock, said in the learner's terms, not torch's file and line."""
+    sends, receives, closed, waited = [], [], [], 0.0
+    for child in errors:
+        text = str(child.error.get("message", ""))
+        found = _GLOO_TIMEOUT.search(text)
+        if found:
+            waited = max(waited, int(found.group(1)) / 1000)
+            (sends if found.group(2) == "send" else receives).append(child.rank)
+        elif "connection closed by peer" in text.lower() or "connection reset by peer" in text.lower():
+            closed.append(child.rank)
+        else:
+            return None  # an error of another kind: said as it is
+    if sends and receives:
+        return (f"deadlock: {_ranks(sends)} waited {waited:.0f} s in a send that no peer received, {_ranks(receives)} in "
+                f"a receive or a collective: a send waits for its matching receive; look at what each rank does first")
+    if sends:
+        return (f"deadlock: {_ranks(sends)} waited {waited:.0f} s in a send that no peer received: a send waits until "
+                f"its peer posts the matching receive; look at what each rank does first at every step")
+    if receives:
+        return (f"deadlock: {_ranks(receives)} waited {waited:.0f} s for a message or a collective that no peer sent or "
+                f"joined: look at which rank each one waits on, and whether that rank ever gets there")
+    if closed:
+        return (f"{_ranks(closed)} lost the connection to a peer that ended or gave up while waiting: look for a "
+                f"message or a collective that not every rank reaches")
+    return None
+
+
+def _ranks(ranks: list) -> str:
+    ranks = sorted(set(ranks))
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    return "ranks " + ", ".join(str(r) for r in ranks[:-1]) + f" and {ranks[-1]}"
 
 
 def _short(text: str, limit: int = 120) -> str:

@@ -31,6 +31,7 @@ EXERCISES_DIR = Path(__file__).resolve().parents[2] / "exercises"
 _results: dict[tuple[str, str], dict[str, dict]] = {}
 _lock = threading.Lock()
 TIME_SCALE = {"value": 1.0}
+MEMORY_MB = {"value": None}  # the sandbox's resident-memory limit (None: its default); ddpkit check --memory-gb
 _graded = threading.local()  # the code grade() is grading, on this thread: never read from the tests' env
 
 
@@ -65,7 +66,8 @@ def results_for(exercise_id: str, code: str) -> dict[str, dict]:
     with _lock:
         cached = _results.get(key)
     if cached is None:
-        cached = {r["check"]: r for r in sandbox.run(exercise_id, code, time_scale=TIME_SCALE["value"])}
+        cached = {r["check"]: r for r in sandbox.run(exercise_id, code, time_scale=TIME_SCALE["value"],
+                                                     memory_mb=MEMORY_MB["value"] or sandbox.MEMORY_MB)}
         with _lock:
             _results[key] = cached
     return cached

@@ -84,6 +84,9 @@ EXERCISES = [
              {"ddpkit.parallel.comm:ring_all_reduce": KIT.format(what="ring", ref="ddpkit.parallel.comm.ring_all_reduce"),
               "ddpkit.parallel.comm:ring_reduce_scatter_": KIT.format(what="ring", ref="ddpkit.parallel.comm"),
               "ddpkit.parallel.comm:ring_all_gather_": KIT.format(what="ring", ref="ddpkit.parallel.comm"),
+              "torch.distributed.nn.functional:all_reduce": "calls torch.distributed.nn.functional.all_reduce, a "
+                                                            "collective with autograd: build the sum from sends and "
+                                                            "receives only",
               **_collectives("calls dist.{name}, a collective: build the sum from sends and receives only")}),
     Exercise("10_zero1", {"zero1": ("ddpkit.exercises.sharding:check_zero1", ("ZeroAdamW",))},
              {"ddpkit.parallel.zero:ZeroAdamW": KIT.format(what="ZeRO-1 optimizer", ref="ddpkit.parallel.zero.ZeroAdamW"),

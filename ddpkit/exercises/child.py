@@ -15,6 +15,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import re
 import sys
 import time
 
@@ -70,6 +71,10 @@ def run_task(task: dict, out_fd: int) -> int:
         sys.stderr.flush()
 
 
+_KNOCK_ON = re.compile(r"timed out|connection closed|connection reset|broken pipe|\bpeers?\b", re.I)  # whole
+# words: "TypeError" holds "peer" too
+
+
 def _error_record(exc: BaseException) -> dict:
     from ddpkit.failures import raised_in_collective
 
@@ -78,9 +83,7 @@ def _error_record(exc: BaseException) -> dict:
         knock_on = raised_in_collective(exc)
     except Exception:  # noqa: BLE001
         knock_on = False
-    lowered = text.lower()
-    knock_on = knock_on or any(w in lowered for w in ("timed out", "connection closed", "connection reset",
-                                                      "broken pipe", "peer"))
+    knock_on = knock_on or bool(_KNOCK_ON.search(text))
     return {"type": type(exc).__name__[:60], "message": (text.splitlines() or [""])[0][:300],
             "knock_on": bool(knock_on), "time": time.time()}
 

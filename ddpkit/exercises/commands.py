@@ -16,9 +16,11 @@ def run_command(args) -> int:
             return _refuse(f"--jobs must be at least 1, got {args.jobs}")
         if args.time_scale <= 0:
             return _refuse(f"--time-scale must be above 0, got {args.time_scale}")
+        if not 0.5 <= args.memory_gb <= 1024:
+            return _refuse(f"--memory-gb must be between 0.5 and 1024, got {args.memory_gb:g}")
         from ddpkit.exercises.grading import main
 
-        return main(args.paths, jobs=args.jobs, out=args.out, time_scale=args.time_scale)
+        return main(args.paths, jobs=args.jobs, out=args.out, time_scale=args.time_scale, memory_gb=args.memory_gb)
     try:
         import otter  # noqa: F401
     except ImportError:

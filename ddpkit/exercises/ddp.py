@@ -11,9 +11,11 @@ What every stage's check measures, on 2, 3 and 4 real ranks, for 3 SGD steps fro
 initialisation on each rank, each rank on its own samples (seeds and samples drawn when it runs; a rank
 is given only its own), for a model with a frozen parameter (it has no gradient) and a weight shared by
 two layers (one parameter, one gradient): the parameters must equal, on every rank, those of one process
-that averages the ranks' gradients, which the grader computes itself (atol 1e-6; a sum, a division by a
-hard-coded 2, a missing broadcast all show). Every c10d operation is recorded at the dispatcher
-(:class:`ddpkit.exercises.witness.Collectives`) with its bytes, launch and completion times, and every
+that averages the ranks' gradients, which the grader computes itself (atol 1e-6, after every step), and
+every step's all-reduces must carry the gradients' bytes once (a shared weight sent twice shows). The
+parameters right after construction, after each step and the bytes tell the mistakes apart (a missing
+broadcast, no all-reduce, a sum, a hard-coded divisor: :mod:`ddpkit.exercises.ddp_verdict`). Every c10d
+operation is recorded at the dispatcher (:class:`ddpkit.exercises.witness.Collectives`) with its bytes, launch and completion times, and every
 wait for a collective's completion while backward runs is counted (``Work.wait`` and its kin, a future's
 ``wait`` or ``value``, ``torch.futures.wait_all``, polling ``is_completed``: :class:`_Waits`). Stage 2 and
 3 must launch their all-reduces while backward runs and never wait for one inside backward: that is what
@@ -59,11 +61,13 @@ def _draw(world: int) -> tuple[list[int], list[list]]:
     return seeds, data
 
 
-def _reference(seed: int, data: list[list]) -> list[torch.Tensor]:
-    """One process: rank 0's initial weights (``seed``), each step the mean of every rank's gradient, SGD."""
+def _reference(seed: int, data: list[list]) -> list[list[torch.Tensor]]:
+    """One process: rank 0's initial weights (``seed``), each step the mean of every rank's gradient, SGD; the
+    parameters after each step."""
     model = _model(seed)
     trainable = [p for p in model.parameters() if p.requires_grad]
     world = len(data)
+    after = []
     for step in range(STEPS):
         total = [torch.zeros_like(p) for p in trainable]
         for rank in range(world):
@@ -75,7 +79,8 @@ def _reference(seed: int, data: list[list]) -> list[torch.Tensor]:
         with torch.no_grad():
             for t, p in zip(total, trainable):
                 p -= LR * t / world
-    return [p.detach().clone() for p in model.parameters()]
+        after.append([p.detach().clone() for p in model.parameters()])
+    return after
 
 
 class _Waits:
@@ -129,12 +134,14 @@ class _Waits:
 
 
 def _on_rank(ctx, cls, bucket_bytes: int | None, seed: int, batches: list) -> dict:
+    from ddpkit.exercises.ddp_verdict import finish_or_say
     from ddpkit.exercises.witness import Collectives
 
     model = _model(seed)  # each rank initialised differently: the wrapper must broadcast
     wrapped = cls(model) if bucket_bytes is None else cls(model, bucket_bytes)
+    start = [p.detach().clone() for p in model.parameters()]  # right after construction: the broadcast's work
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
-    steps = []
+    steps, after = [], []
     waits = _Waits()
     try:
         for step in range(STEPS):
@@ -146,7 +153,7 @@ def _on_rank(ctx, cls, bucket_bytes: int | None, seed: int, batches: list) -> di
                 loss.backward()
                 ended = time.perf_counter()
                 waits.in_backward = False
-                wrapped.finish()
+                finish_or_say(wrapped, model)
             reduces = [op for op in seen.ops if op["op"] == "allreduce"]
             steps.append({"reduces": len(reduces), "bytes": [op["bytes"] for op in reduces],
                           "launched_in_backward": sum(started <= op["launched"] <= ended for op in reduces),
@@ -154,10 +161,10 @@ def _on_rank(ctx, cls, bucket_bytes: int | None, seed: int, batches: list) -> di
                           "waits_in_backward": waits.during_backward})
             optimizer.step()
             optimizer.zero_grad()
+            after.append([p.detach().clone() for p in model.parameters()])
     finally:
         waits.close()
-    params = [p.detach().clone() for p in model.parameters()]
-    return {"params": params, "steps": steps}
+    return {"start": start, "after": after, "params": after[-1], "steps": steps}
 
 
 def _shape() -> dict:
@@ -167,37 +174,24 @@ def _shape() -> dict:
 
 
 def _correct(name: str, cls, bucket_bytes: int | None = None) -> tuple[list, Result | None]:
-    """Run the stage on 2, 3 and 4 ranks; the runs, or the sentence for the first wrong thing seen."""
+    """Run the stage on 2, 3 and 4 ranks; the runs, or the sentence for the first wrong thing seen
+    (:func:`ddpkit.exercises.ddp_verdict.diagnose`)."""
+    from ddpkit.exercises.ddp_verdict import diagnose
+
     runs_by_world = []
+    gradient_bytes = sum(_shape()["bytes"])
     for world in (2, 3, 4):
         seeds, data = _draw(world)
         runs = run_on_ranks(name, _on_rank, cls, bucket_bytes, world_size=world,
                             rank_args=[(seeds[r], data[r]) for r in range(world)])
         if isinstance(runs, Result):
             return [], runs
-        expected = _reference(seeds[0], data)
-        for rank, run in enumerate(runs[1:], 1):
-            if any(float((a - b).abs().max()) > 1e-6 for a, b in zip(run["params"], runs[0]["params"])):
-                return [], Result(False, f"on {world} ranks, rank {rank} ends with other parameters than rank 0: do "
-                                         f"all replicas start from rank 0's weights and step on the same gradient?")
-        for rank, run in enumerate(runs):
-            diff = max(float((a - b).abs().max()) for a, b in zip(run["params"], expected))
-            if diff > 1e-6:
-                if world > 2 and _ratio_hint(runs[0]["params"], expected, seeds[0]):
-                    return [], Result(False, f"on {world} ranks the parameters move by the wrong amount: is the gradient "
-                                             f"divided by the number of ranks, whatever it is?")
-                return [], Result(False, f"on {world} ranks, after {STEPS} steps the parameters differ from averaging "
-                                         f"the ranks' gradients by {diff:.1e}: is every gradient (the shared weight's "
-                                         f"too) averaged once?")
+        wrong = diagnose(name, world, runs, _reference(seeds[0], data), [p.detach() for p in _model(seeds[0]).parameters()],
+                         gradient_bytes)
+        if wrong:
+            return [], Result(False, wrong)
         runs_by_world.append((world, runs))
     return runs_by_world, None
-
-
-def _ratio_hint(got: list[torch.Tensor], want: list[torch.Tensor], seed: int) -> bool:
-    start = _model(seed)
-    moved = torch.cat([(g - s.detach()).flatten() for g, s in zip(got, start.parameters())])
-    wanted = torch.cat([(w - s.detach()).flatten() for w, s in zip(want, start.parameters())])
-    return float(wanted.norm()) > 0 and abs(float(moved.norm() / wanted.norm()) - 1) > 0.05
 
 
 def _overlap(runs_by_world: list, expected_reduces: int | None) -> Result | None:

@@ -9,8 +9,10 @@ grades N notebooks at once.
 
 It prints the table (points per exercise, a total per learner), writes it as ``grades.csv`` and
 ``grades.md`` in ``--out``, and one ``results.json`` per learner (otter's results for each exercise,
-with each check's sentence). A notebook that is the published solution unchanged scores 0 and is
-marked. The exit code is 0 when every notebook got every point.
+with each check's sentence). Correct code earns its points; where a notebook's code may not be the
+learner's own, the cell is marked and a note says why (:func:`ddpkit.exercises.submissions.provenance`):
+``*`` to review (the code matches the published solution, points kept), ``!`` for the published solution
+notebook itself, unchanged (no points). The exit code is 0 when every notebook got every point.
 """
 
 from __future__ import annotations
@@ -24,11 +26,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ddpkit.exercises import autograde, catalog
-from ddpkit.exercises.submissions import Submission, collect, is_published_solution
+from ddpkit.exercises.submissions import MARKS, SOLUTION_NOTEBOOK, Submission, collect, provenance
 
 
 def grade_one(sub: Submission, cache: str | None = None) -> dict:
-    """One notebook's grade: score, possible, notes, and each check's outcome and sentence."""
+    """One notebook's grade: score, possible, each check's outcome and sentence, and, when its code may not be
+    the learner's own, a ``flag`` and a ``note`` (see :func:`ddpkit.exercises.submissions.provenance`)."""
     import nbformat
 
     from ddpkit.exercises.sources import learner_code
@@ -44,11 +47,13 @@ def grade_one(sub: Submission, cache: str | None = None) -> dict:
     code = learner_code(nb, ex.names)
     built = autograde.build(sub.exercise, cache)
     graded = autograde.grade(sub.exercise, code, built)
-    if is_published_solution(sub.exercise, code):
-        graded["note"] = "the published solution, unchanged: no points"
-        graded["score"] = 0
-        for check in graded["checks"]:
-            check["points"] = 0
+    found = provenance(sub.exercise, nb, code)
+    if found:
+        graded["flag"], graded["note"] = found
+        if graded["flag"] == SOLUTION_NOTEBOOK:  # certain: the kit's own file, not a student notebook
+            graded["score"] = 0
+            for check in graded["checks"]:
+                check["points"] = 0
     return graded
 
 
@@ -70,7 +75,7 @@ def table(graded: list[tuple[Submission, dict]]) -> tuple[list[str], list[list[s
     for sub, grade in graded:
         if sub.exercise is None:
             continue
-        mark = "*" if grade.get("note") else ""
+        mark = MARKS.get(grade.get("flag"), "*" if grade.get("note") else "")
         cells[(sub.learner, sub.exercise)] = f"{_num(grade['score'])}/{_num(grade['possible'])}{mark}"
         totals[sub.learner][0] += grade["score"] or 0
         totals[sub.learner][1] += grade["possible"] or 0
@@ -100,11 +105,16 @@ def as_text(header: list[str], rows: list[list[str]]) -> str:
 def write_reports(graded: list[tuple[Submission, dict]], out: Path) -> tuple[list[str], list[list[str]]]:
     header, rows = table(graded)
     out.mkdir(parents=True, exist_ok=True)
-    buffer = io.StringIO()
-    csv.writer(buffer).writerows([header, *rows])
+    notes_of: dict[str, list[str]] = {}
+    for sub, grade in graded:
+        if grade.get("note"):
+            notes_of.setdefault(sub.learner, []).append(f"{sub.exercise}{MARKS.get(grade.get('flag'), '')}: {grade['note']}")
+    buffer = io.StringIO()  # the CSV carries the notes too, one column, for a spreadsheet's review
+    csv.writer(buffer).writerows([header + ["notes"], *(row + ["; ".join(notes_of.get(row[0], []))] for row in rows)])
     (out / "grades.csv").write_text(buffer.getvalue())
     notes = [f"- {s.learner}, {s.exercise}: {g['note']}" for s, g in graded if g.get("note")]
-    (out / "grades.md").write_text(as_markdown(header, rows) + ("\n* " + "\n".join(notes) + "\n" if notes else ""))
+    legend = "\n`*` to review: the points stand; `!` the published solution notebook, unchanged: no points.\n\n"
+    (out / "grades.md").write_text(as_markdown(header, rows) + (legend + "\n".join(notes) + "\n" if notes else ""))
     per_learner: dict[str, dict] = {}
     for sub, grade in graded:
         entry = per_learner.setdefault(sub.learner, {"learner": sub.learner, "exercises": {}})
@@ -120,7 +130,7 @@ def _safe(name: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in name) or "learner"
 
 
-def main(paths: list[str], jobs: int = 1, out: str = "grades", time_scale: float = 1.0) -> int:
+def main(paths: list[str], jobs: int = 1, out: str = "grades", time_scale: float = 1.0, memory_gb: float = 6.0) -> int:
     """Grade, print the table and each failed check's sentence, write the reports; 0 when all passed."""
     missing = [p for p in paths if not Path(p).exists()]
     if missing:
@@ -136,6 +146,7 @@ def main(paths: list[str], jobs: int = 1, out: str = "grades", time_scale: float
               "exercises/solutions/): git clone https://github.com/ddpkit/ddpkit and run it there", file=sys.stderr)
         return 2
     autograde.TIME_SCALE["value"] = time_scale
+    autograde.MEMORY_MB["value"] = int(memory_gb * 1024)
     graded = grade_all(paths, jobs)
     if not graded:
         print(f"ddpkit: error: no notebook (.ipynb) under {', '.join(paths)}", file=sys.stderr)
@@ -149,5 +160,5 @@ def main(paths: list[str], jobs: int = 1, out: str = "grades", time_scale: float
         if grade.get("note"):
             print(f"{sub.path}  {grade['note']}")
     print(f"written: {os.path.join(out, 'grades.csv')}, {os.path.join(out, 'grades.md')} and one results.json per learner")
-    full = all(g["possible"] and g["score"] == g["possible"] and not g.get("note") for _, g in graded)
+    full = all(g["possible"] and g["score"] == g["possible"] for _, g in graded)  # a note asks for review only
     return 0 if full else 1

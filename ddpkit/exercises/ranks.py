@@ -9,7 +9,8 @@ of the case's spawner (:mod:`ddpkit.exercises.spawner`), which receives only its
 
 Limits: when one child has answered, the others get ``timeout`` more seconds (a peer that waits in a
 collective gives up after ``timeout`` too); when one raised or ended without a word, the others stop
-half a second later; nobody gets more than ``limit`` in all; with ``idle_after``, children that all use
+half a second later (``GRACE_S`` when what it raised is a timeout of its own waiting, which its peers in the
+same wait report too); nobody gets more than ``limit`` in all; with ``idle_after``, children that all use
 no CPU for that long are taken as stuck (a deadlock shows that way at once). A child given up on is
 killed, and whether it was still using the CPU then tells "too slow" from "hung". As soon as the guard
 of a learner's process reports a forbidden implementation or a refused escape, everything stops: that
@@ -197,9 +198,12 @@ def collect(children: list[Child], timeout: float, limit: float, idle_after: flo
             last_sample = now
             for child in waiting:
                 child.cpu.append((now, _cpu_seconds(child.pid)))
-        failed = [c.answered_at for c in children if c.error] + [c.died_at for c in children if c.died_at]
+        failed = [c.answered_at for c in children if c.error and not c.error.get("knock_on")] + \
+            [c.died_at for c in children if c.died_at]
+        gave_up = [c.answered_at for c in children if c.error and c.error.get("knock_on")]  # a peer's timeout: the
+        # others, in the same wait, report theirs within moments; a rank that does not is the one they waited for
         over = (first_answer is not None and now - first_answer > timeout + GRACE_S) or now - started > limit \
-            or (failed and now - min(failed) > ERROR_GRACE_S)
+            or (failed and now - min(failed) > ERROR_GRACE_S) or (gave_up and now - min(gave_up) > GRACE_S)
         stuck = idle_after is not None and now - started > idle_after and all(_idle(c, idle_after) for c in waiting)
         if any(_caught(c) for c in children):  # the verdict is already that sentence: no need to wait
             for child in waiting:

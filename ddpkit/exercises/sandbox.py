@@ -130,7 +130,7 @@ def _watch(proc: subprocess.Popen, folder: str, budget_units: float, memory_mb: 
             limit = time.monotonic() - started + min(timing.CEILING_S * 4, max(timing.FLOOR_S * 12, budget_units * baseline))
         if timing.group_rss_bytes(proc.pid) > memory_mb * 2**20:
             _kill(proc)
-            return f"used more than {memory_mb // 1024} GB of memory: look for a tensor or a list that grows without end"
+            return f"used more than {memory_mb / 1024:.3g} GB of memory: look for a tensor or a list that grows without end"
         if time.monotonic() - started > limit:
             busy = timing.group_busy(proc.pid)
             _kill(proc)

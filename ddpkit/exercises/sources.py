@@ -74,7 +74,10 @@ def learner_code(nb, names: tuple[str, ...]) -> str:
 
 
 def normalised(code: str) -> str | None:
-    """The code's structure without comments, docstrings or string-only statements (None if it does not parse)."""
+    """The code's structure without comments, docstrings or string-only statements, and with every name the
+    code binds itself (its variables, arguments, functions, classes and import aliases) replaced by its
+    order of first appearance: renaming a variable does not change it, while names it only uses (builtins,
+    attributes, a module's members) are kept. None if the code does not parse."""
     try:
         tree = ast.parse(code)
     except SyntaxError:
@@ -84,7 +87,41 @@ def normalised(code: str) -> str | None:
         if isinstance(body, list):
             node.body = [n for n in body if not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)
                                                   and isinstance(n.value.value, str))] or [ast.Pass()]
+    canonical: dict[str, str] = {}
+    for name in _bound_names(tree):
+        canonical.setdefault(name, f"_{len(canonical)}")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            node.id = canonical.get(node.id, node.id)
+        elif isinstance(node, ast.arg):
+            node.arg = canonical.get(node.arg, node.arg)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            node.name = canonical.get(node.name, node.name)
+        elif isinstance(node, ast.alias):
+            bound = node.asname or node.name.split(".")[0]
+            node.asname = canonical.get(bound, node.asname)
+        elif isinstance(node, (ast.Global, ast.Nonlocal)):
+            node.names = [canonical.get(n, n) for n in node.names]
+        elif isinstance(node, ast.ExceptHandler) and node.name:
+            node.name = canonical.get(node.name, node.name)
     return ast.dump(tree, annotate_fields=False)
+
+
+def _bound_names(tree: ast.AST) -> list[str]:
+    """The names ``tree`` binds, in the order :func:`ast.walk` first meets them."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Store, ast.Del)):
+            found.append(node.id)
+        elif isinstance(node, ast.arg):
+            found.append(node.arg)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            found.append(node.name)
+        elif isinstance(node, ast.alias) and node.name != "*":
+            found.append(node.asname or node.name.split(".")[0])
+        elif isinstance(node, ast.ExceptHandler) and node.name:
+            found.append(node.name)
+    return found
 
 
 # ------------------------------------------------------------------- objects back to code (check cells)
