@@ -17,6 +17,9 @@ of (t - last save) over t uniform in [0, T], i.e. sum(gap^2) / (2 T), and the wo
 gap. Saving every K steps bounds the gap in steps, not in seconds: when steps slow down (a straggler,
 longer sequences), the gap in seconds grows. Saving every S seconds bounds it in seconds. The cost is
 the time spent saving.
+
+:func:`restart_drill` is the whole restart on a small run in the calling process (notebook 21 sets it
+beside torchft and elastic torchrun): the seconds above, and the steps done twice.
 """
 
 from __future__ import annotations
