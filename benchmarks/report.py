@@ -2,8 +2,9 @@
 
 ``python benchmarks/report.py`` (``python -m benchmarks`` runs it last) reads ``results/*.json`` and
 writes ``results/REPORT.md`` and ``results/plots/*.png``, and puts the summary table into the README
-between its ``benchmarks:table`` markers, so the README's numbers are always the last measured ones.
-A benchmark whose JSON is missing is left out, not invented.
+between its ``benchmarks:table`` markers, so the README's numbers are always the last measured ones; the
+sentences of the README's prose that quote measurements (:func:`prose`) are generated the same way,
+each between ``benchmarks:NAME`` markers. A benchmark whose JSON is missing is left out, not invented.
 """
 
 from __future__ import annotations
@@ -123,6 +124,40 @@ def table_rows(r: dict[str, dict]) -> list[list[str]]:
                      ", ".join(f"{row['schedule']} {row['measured']:.2f}" for row in last), f"(p-1)/(m+p-1) = {last[0]['predicted']:.2f}",
                      "", "report"])
     return rows
+
+
+def prose(r: dict[str, dict]) -> dict[str, str]:
+    """The README's sentences that quote a JSON's numbers, by marker name (``<!-- benchmarks:NAME -->``)."""
+    out = {}
+    o = r.get("trainer_overhead", {}).get("step_overhead", {})
+    if "over_runs" in o:
+        runs = o["over_runs"]
+        p, m, c, load = (runs[k] for k in ("paired_ratio", "paired_ratio_with_metrics_dir", "paired_ratio_control", "loadavg_1"))
+        every = [o["paired_ratio_median"], *(x["paired"] for x in o.get("repeats_under_load", []))]
+        met = sum(x <= o["target_ratio"] for x in every)
+        out["trainer-runs"] = (f"Measured side by side beside other jobs (load average {load['min']:.1f}-{load['max']:.1f}), "
+                               f"{p['n']} runs, each a fresh launch: median {p['median']:.3f}x, range {p['min']:.3f}-"
+                               f"{p['max']:.3f}x ({met} of {len(every)} at or under {o['target_ratio']}x), and "
+                               f"{m['min']:.2f}-{m['max']:.2f}x with `--metrics-dir`; the control read {c['min']:.3f}-{c['max']:.3f}x.")
+    w = r.get("trainer_overhead", {}).get("weak_scaling", {})
+    if "profiled_ddp_step" in w and "efficiency_meeting_each_step" in w:
+        t, load = w["profiled_ddp_step"], w["loadavg_1_5_15"]["before"][0]
+        where = f"with the machine otherwise idle (load average {load:.1f})" if load < 1.5 else f"beside other jobs (load average {load:.1f})"
+        out["weak-scaling"] = (
+            f"**Weak scaling**, measured {where}, side by side in one launch of 2 ranks: {w['efficiency']:.2f}. Two ranks "
+            f"training without any communication reach {w['efficiency_without_comm']:.2f} of twice one rank alone: sharing "
+            f"the two cores' memory bandwidth and caches costs {1 - w['efficiency_without_comm']:.0%}. Meeting in a barrier "
+            f"after each backward brings it to {w['efficiency_meeting_each_step']:.2f}: at every step each rank waits for "
+            f"the slower one. The all-reduce's bytes cost the remaining "
+            f"{w['efficiency_meeting_each_step'] - w['efficiency']:.2f}: in a profiled DDP step (rank 0, three steps under "
+            f"`torch.profiler`, `weak_scaling.profiled_ddp_step` in `benchmarks/results/trainer_overhead.json`), "
+            f"{1e3 * t['comm_s']:.0f} ms of the {1e3 * t['wall_s']:.0f} ms step is communication and "
+            f"{1 - t['overlapped_fraction']:.0%} of it ({1e3 * t['exposed_comm_s']:.0f} ms) is exposed.")
+    return out
+
+
+def markers(name: str) -> tuple[str, str]:
+    return f"<!-- benchmarks:{name} -->", f"<!-- /benchmarks:{name} -->"
 
 
 def markdown_table(rows: list[list[str]]) -> str:
@@ -249,16 +284,22 @@ def write_report(results_dir: str = RESULTS, readme: str | None = README) -> str
     with open(path, "w") as handle:
         handle.write("\n".join(lines) + "\n")
     if readme:
-        update_readme(readme, table)
+        update_readme(readme, table, prose(r))
     return path
 
 
-def update_readme(readme: str, table: str) -> None:
+def update_readme(readme: str, table: str, sentences: dict[str, str] | None = None) -> None:
+    """Put ``table`` between the table's markers and each of ``sentences`` between its own (inline)."""
     with open(readme) as handle:
         text = handle.read()
     if START not in text or END not in text:
         raise ValueError(f"{readme} has no {START} ... {END} markers for the benchmark table")
     text = re.sub(re.escape(START) + r".*?" + re.escape(END), lambda _: f"{START}\n{table}\n{END}", text, flags=re.S)
+    for name, sentence in (sentences or {}).items():
+        start, end = markers(name)
+        if start not in text or end not in text:
+            raise ValueError(f"{readme} has no {start} ... {end} markers for the sentence it quotes")
+        text = re.sub(re.escape(start) + r".*?" + re.escape(end), lambda _: f"{start}{sentence}{end}", text, flags=re.S)
     with open(readme, "w") as handle:
         handle.write(text)
 

@@ -17,6 +17,9 @@ of (t - last save) over t uniform in [0, T], i.e. sum(gap^2) / (2 T), and the wo
 gap. Saving every K steps bounds the gap in steps, not in seconds: when steps slow down (a straggler,
 longer sequences), the gap in seconds grows. Saving every S seconds bounds it in seconds. The cost is
 the time spent saving.
+
+:func:`restart_drill` is the whole restart on a small run in the calling process (notebook 21 sets it
+beside torchft and elastic torchrun): the seconds above, and the steps done twice.
 """
 
 from __future__ import annotations
@@ -196,6 +199,54 @@ def measure_recovery(workdir: str, launcher: str = "ddpkit", world_size: int = 2
             raise RuntimeError("torchrun's agent logged no line about the failed worker: its detection time is unknown")
         note_failure_detected(metrics_dir, 0, at=detected)
     return recovery_times(metrics_dir)
+
+
+def restart_drill(workdir: str, world_size: int = 2, steps: int = 8, fail_at_step: int = 5,
+                  checkpoint_every: int = 3) -> dict:
+    """The kit's own checkpoint restart, measured: ``ddpkit train --max-restarts 1`` in this process, its
+    last rank SIGKILLed after ``fail_at_step`` steps; the launcher restarts every rank (forked from this
+    process, which has imported torch) from the newest good checkpoint.
+
+    Returns :func:`recovery_times` (``total_s``: the death to every rank's first step after the restore),
+    ``saved_before``: the newest checkpoint saved before the death, ``resumed_from``: the step the restart
+    restored, ``steps_done_twice``: steps done before the death after that checkpoint (the work lost),
+    ``steps`` and ``restarts`` from the run's summary, and ``said``: the launcher's lines about the restart.
+    A run that saves every step loses none (``checkpoint_every=1``, the tests' control)."""
+    import contextlib
+    import io
+    import shutil
+
+    from ddpkit import cli
+
+    if not 0 < checkpoint_every <= fail_at_step < steps:
+        raise ValueError(f"the rank must die after a checkpoint and before the end: need 0 < checkpoint_every "
+                         f"({checkpoint_every}) <= fail_at_step ({fail_at_step}) < steps ({steps})")
+    shutil.rmtree(workdir, ignore_errors=True)  # run again, it starts clean (a folder of another run's checkpoints is refused)
+    metrics_dir, summary_json = os.path.join(workdir, "metrics"), os.path.join(workdir, "summary.json")
+    argv = ["train", "--world-size", str(world_size), "--steps", str(steps), "--dataset-size", "512",
+            "--checkpoint-dir", os.path.join(workdir, "ckpt"), "--checkpoint-every", str(checkpoint_every),
+            "--metrics-dir", metrics_dir, "--summary-json", summary_json, "--max-restarts", "1",
+            "--fail-mode", "kill", "--fail-at-step", str(fail_at_step), "--fail-rank", str(world_size - 1),
+            "--timeout", "10", "--log-every", "1000"]
+    out = io.StringIO()  # the ranks' lines and the launcher's root-cause report: kept, a few lines shown
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        code = cli.main(argv)
+    lines = out.getvalue().splitlines()
+    if code != 0:
+        raise RuntimeError(f"the restarted run did not finish (exit {code}): {lines[-3:]}")
+    with open(summary_json) as handle:
+        summary = json.load(handle)
+    events = read_metrics(metrics_dir, event=None)
+    death = min(e["time"] for e in events if e["event"] == "fault_injected")
+    restart = min(e["time"] for e in events if e["event"] == "started" and e.get("attempt", 0) > 0)
+    # every rank's steps: the dying rank logged its last step before it died, a peer may log the same step later
+    done = [e["step"] for e in events if e["event"] == "step" and e["time"] <= death]
+    # a save returns on every rank once it is durable, so the dying rank's own log says what was saved before it died
+    saved = [e["step"] for e in events if e["event"] == "checkpoint_saved" and e["time"] <= death]
+    resumed = min(e["step"] for e in events if e["event"] == "checkpoint_restored" and e["time"] >= restart)
+    return {**recovery_times(metrics_dir), "saved_before": max(saved, default=0), "resumed_from": resumed,
+            "steps_done_twice": max(done) - resumed, "steps": summary["steps"], "restarts": summary["restarts"],
+            "said": [line for line in lines if "injecting failure" in line or line.startswith("ddpkit: restarting")]}
 
 
 def compare_cadences(cfg, workdir: str, every_steps: int = 10) -> dict[str, dict[str, float]]:

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from ddpkit.debug import flight, mismatch
 from tests.conftest import REPO, cli_env
@@ -62,6 +63,10 @@ def test_torchfrtrace_reads_the_fixed_dumps_and_not_the_raw_ones(tmp_path):
     (good_out, bad_out), (good_err, bad_err) = run.stdout.split("=== raw"), run.stderr.split("=== raw")
     assert "Culprit rank 1" in good_out + good_err
     assert run.returncode == 3 and "KeyError" in bad_err  # control: gloo's raw table
+    # the same command run in this process (what notebook 20 does): the same finding, the same failure
+    assert flight.torchfrtrace(fixed).ok and "Culprit rank 1" in flight.torchfrtrace(fixed).output
+    raw = flight.torchfrtrace(str(raw_dir))
+    assert not raw.ok and raw.error.startswith("KeyError") and "'0'" in raw.error  # the group the entries name
 
 
 @needs_fr
@@ -212,6 +217,24 @@ def test_ddp_hides_communication_behind_backward_and_a_loop_after_backward_does_
     assert {"c10d::allreduce_", "gloo:all_reduce"} <= names
     merged = json.load(open(timeline.merge_traces(paths["ddp"], str(tmp_path / "ddp.trace.json"))))
     assert {e["args"]["name"] for e in merged["traceEvents"] if e.get("name") == "process_name"} == {"rank 0", "rank 1"}
+    # what notebook 20 asserts with the helpers: each half of the all-reduce on its own threads, a process per rank
+    for path in paths["ddp"]:
+        threads = timeline.comm_threads(path)
+        assert threads["c10d::allreduce_"] and threads["gloo:all_reduce"]
+        assert not threads["c10d::allreduce_"] & threads["gloo:all_reduce"], "gloo exchanges on threads of its own"
+    both = timeline.trace_processes(str(tmp_path / "ddp.trace.json"))
+    assert [p["name"] for p in both.values()] == ["rank 0", "rank 1"] and all(p["events"] for p in both.values())
+    one = timeline.trace_processes(timeline.merge_traces(paths["ddp"][:1], str(tmp_path / "one.trace.json")))
+    assert [p["name"] for p in one.values()] == ["rank 0"]  # control: one rank's trace merged is one process
+
+
+def test_a_trace_without_communication_has_no_all_reduce_threads(tmp_path):
+    """The control of the helper the notebook asserts with: a profile with no collective finds none."""
+    net = torch.nn.Linear(8, 8)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        net(torch.randn(4, 8)).sum().backward()
+    prof.export_chrome_trace(str(tmp_path / "alone.json"))
+    assert timeline.comm_threads(str(tmp_path / "alone.json")) == {"c10d::allreduce_": set(), "gloo:all_reduce": set()}
 
 
 # --- DDP's buckets: the first-bucket rule, checked against the buckets DDP builds -------------------------------

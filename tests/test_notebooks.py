@@ -418,6 +418,7 @@ def check_20(records):
     assert set(records["detail"]["cases"]) == {"op", "shape", "dtype"} and records["detail"]["control_ok"]
     fr = records["flight"]
     assert fr["culprits"] == [1] and fr["differing"] == {"1": "gloo:broadcast"} and fr["raw_keys"] == [""]
+    assert fr["command_raw_error"] == "KeyError" and fr["command_names_rank_1"]  # torchfrtrace on both folders
     skipped = records["skipped"]
     assert skipped["stalled_rank"] == 1 and skipped["missing"] == [1] and skipped["summary_names_rank"]
     assert skipped["report_names_rank"]
@@ -431,6 +432,7 @@ def check_20(records):
     assert swap["norms equal"] and not swap["hashes equal"]
     timeline = records["timeline"]
     assert max(timeline["after_backward"]) == 0.0 and max(timeline["ddp"]) > 0.02
+    assert timeline["processes"] == ["rank 0", "rank 1"] and timeline["threads_apart"]
     assert len(records["playbook"]) == 9 and all(records["playbook"].values())
     built = records["buckets"]
     assert all(b["built"] == b["planned"] for b in built.values())
@@ -442,6 +444,12 @@ def check_21(records):
     assert elastic["worlds"] == [2, 1, 2]
     assert elastic["global_batches"] == [16] and elastic["same_data"] and elastic["lost_steps"] >= 1
     assert elastic["grow_lost_steps"] == 0 and elastic["grow_saved_step"] == elastic["grow_resumed_from"]
+    restart = records["restart"]  # the kit's own --max-restarts: back from the newest checkpoint, its steps since redone
+    assert restart["steps"] > restart["fail_at"] and restart["restarts"] == 1 and restart["resumed_from"] == restart["saved_before"]
+    assert restart["steps_done_twice"] == restart["fail_at"] - restart["saved_before"] >= 1
+    assert restart["total_s"] < elastic["back_s"]
+    contrast = {row["recovery"].split(" (")[0]: row for row in records["contrast"]}
+    assert contrast["ddpkit launcher, --max-restarts"]["steps done twice"] == restart["steps_done_twice"]
     if not records["torchft"]:  # the optional extra is missing: the torchft cells said so and skipped
         assert "replicas" not in records and "mid_allreduce" not in records and "wrappers" not in records
         return
@@ -450,6 +458,7 @@ def check_21(records):
     assert replicas["joined_step"] == replicas["survivor_step_at_join"] > replicas["first_alone_step"]
     assert len(mid["retried"]) == 1 and mid["retried"][0]["unchanged"] and mid["no_step_lost"] and mid["same"]
     assert replicas["survivor_blocked_s"] < elastic["back_s"]
+    assert contrast["torchft replica groups"]["steps done twice"] == 0
     wrappers = records["wrappers"]  # torchft's DDP wrappers: what does not work
     assert wrappers["ddp_error"] == "AssertionError" and wrappers["ddp_where"].startswith("torchft/ddp.py:")
     assert wrappers["ddp_same_before"] and wrappers["pure_differs"] >= 1

@@ -31,7 +31,7 @@ import signal
 import torch
 
 from ddpkit.debug.flight_read import DUMP_PREFIX, gloo_pg_config, has_dumps, read_dumps, write_fixed  # noqa: F401
-from ddpkit.debug.flight_report import Finding, analyze, stall_summary  # noqa: F401
+from ddpkit.debug.flight_report import CommandRun, Finding, analyze, stall_summary, torchfrtrace  # noqa: F401
 from ddpkit.files import write_atomic
 
 ENV = "TORCH_FR_BUFFER_SIZE"

@@ -86,6 +86,39 @@ def analyze(folder: str) -> Finding:
     return Finding(True, issued=issued, report=_findings_only(report.getvalue()))
 
 
+@dataclass
+class CommandRun:
+    """What torch's own command said about a folder of dumps: its text, and the exception it ended with."""
+
+    output: str  # what it printed and logged
+    error: str = ""  # "KeyError: ''" when it raised, else empty
+
+    @property
+    def ok(self) -> bool:
+        return not self.error
+
+
+def torchfrtrace(folder: str) -> CommandRun:
+    """Run torch's command ``torchfrtrace FOLDER`` (its entry point, ``fr_trace.main``) in this process, which
+    has imported torch already (a new ``torchfrtrace`` process spends seconds on that), and return its text
+    and the exception it raised, if any. On gloo's dumps as written it raises ``KeyError: ''`` (their group
+    table, see :mod:`ddpkit.debug.flight_read`); on the copies :func:`~ddpkit.debug.flight_read.write_fixed`
+    writes it names the culprit rank. The command reads the dumps with ``pickle.load``: give it only dumps
+    your own job wrote (:func:`~ddpkit.debug.flight_read.read_dumps` accepts plain data only)."""
+    from torch.distributed.flight_recorder.components.fr_logger import FlightRecorderLogger
+
+    FlightRecorderLogger()  # its first instance adds a console handler: let it happen before the capture
+    printed, error = io.StringIO(), ""
+    with _captured(_LOGGER) as report, contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
+        from torch.distributed.flight_recorder.fr_trace import main  # says once that tabulate is missing
+
+        try:
+            main([folder])
+        except Exception as exc:  # noqa: BLE001 - the command's own failure is the finding
+            error = f"{type(exc).__name__}: {exc}"
+    return CommandRun(_findings_only(printed.getvalue() + report.getvalue()), error)
+
+
 def _call_site(dumps: dict[int, dict], seq: int, op: str, culprits: set[int]) -> str:
     """Where a rank that is not a culprit issued collective ``seq`` (``op``): its entry's first frame
     outside torch (each entry keeps the Python stack that issued it)."""

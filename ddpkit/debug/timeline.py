@@ -133,6 +133,24 @@ def overlapped_fraction(compute: list[tuple[float, float]], comm: list[tuple[flo
     return _length(_intersect(compute, comm)) / total if total else 0.0
 
 
+def comm_threads(trace_path: str) -> dict[str, set[int]]:
+    """The threads of a rank's trace that ran each half of a gloo all-reduce: DDP's hand-over
+    (``c10d::allreduce_``, on the training thread) and the exchange (``gloo:all_reduce``, on gloo's own
+    worker threads). Empty sets for a trace without communication."""
+    with open(trace_path) as handle:
+        events = [e for e in json.load(handle)["traceEvents"] if e.get("ph") == "X"]
+    return {name: {e["tid"] for e in events if e["name"] == name} for name in ("c10d::allreduce_", COMM)}
+
+
+def trace_processes(merged_path: str) -> dict[int, dict]:
+    """A merged trace's processes: for each ``pid``, the name Perfetto shows and how many events it holds."""
+    with open(merged_path) as handle:
+        events = json.load(handle)["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    return {pid: {"name": name, "events": sum(1 for e in events if e.get("pid") == pid and e.get("ph") != "M")}
+            for pid, name in sorted(names.items())}
+
+
 def merge_traces(paths: list[str], out: str) -> str:
     """One Chrome/Perfetto trace with each rank as its own process (named ``rank N``)."""
     merged = []
