@@ -25,8 +25,9 @@ checkpoint, and whether a resume may use it, is ``state.py``'s business). The pr
   tensors, plain containers and an allow-list of types, and refuses any other pickled object (so an
   ordinary pickled class or function in the file is refused, not run). It is not a sandbox: torch's own
   docs say never to load data from an untrusted source, and ``weights_only=True`` itself had
-  code-execution advisories in releases this kit supports (:data:`WEIGHTS_ONLY_ADVISORIES`), so
-  :func:`load` warns in one line under such a release. Load only checkpoints you or your jobs wrote.
+  code-execution advisories in earlier torch releases (:data:`WEIGHTS_ONLY_ADVISORIES`, fixed in 2.6 and
+  2.10, before the 2.13 this kit requires); :func:`load` warns in one line should it run under one.
+  Load only checkpoints you or your jobs wrote.
 """
 
 from __future__ import annotations

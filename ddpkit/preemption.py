@@ -1,12 +1,14 @@
 """Preemption: a SIGTERM becomes an emergency checkpoint that every rank writes at the same step.
 
-Schedulers and spot/preemptible machines give notice before they take a job away: SIGTERM (Kubernetes,
-torchrun passing on its own SIGTERM, Slurm with ``--signal``), then SIGKILL a grace period later. A job
+Schedulers and spot/preemptible machines give notice before they take a job away: SIGTERM (Kubernetes;
+torchrun passing on its own SIGTERM; Slurm on preemption or at the time limit, optionally preceded by a
+signal of the job's choosing with ``--signal``), then SIGKILL a grace period later. A job
 that saves in that window loses nothing; one that dies loses everything since its last checkpoint.
 
 The notice may reach **one** rank (a scheduler signals one worker), the ``ddpkit train`` process
-(which passes it on to every rank), or the whole process group (``kill -- -PGID``, Slurm and
-Kubernetes signal every process, torchrun signals each worker's group). Either way a rank must not act
+(which passes it on to every rank), or the whole process group (``kill -- -PGID``; Slurm signals the
+processes of each job step; torchrun signals each worker's process group). Kubernetes sends SIGTERM only
+to each container's main process (PID 1). Either way a rank must not act
 on it alone. A checkpoint is a collective (gathering state, a barrier until it is durable): a rank that
 decides by itself to save enters that collective while its peers enter the next step's gradient
 all-reduce, and they wait on each other until the collective timeout ends the job with nothing saved

@@ -209,6 +209,12 @@ WRONG = {  # a phrase that was written, and why it is wrong
     "block in the next collective until the timeout": "on gloo the peers fail at once with a closed connection",
     "on the critical path: the next matmul needs the result": "Megatron hides the input-gradient all-reduce",
     "gloo's large sends": "a gloo send of any size waits for its posted receive",
+    "10-100x slower than NVLink": "per GPU on DGX-class nodes the inter-node link is about 6-12x slower",
+    "a ring sends one way": "a ring rank sends and receives at once; its send rate bounds it",
+    "and none in forward": "FSDP2 prefetches implicitly in forward (the next gather issued after the current kernels)",
+    "in forward it prefetches nothing": "FSDP2 prefetches implicitly in forward (the next gather issued after the current kernels)",
+    "rounds of at most": "torch's rounds are max(1, m // p), each of at least p micro-batches",
+    "Kubernetes signal every process": "Kubernetes signals each container's main process only",
 }
 
 

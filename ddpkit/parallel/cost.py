@@ -1,8 +1,8 @@
 """What communication costs, and why scaling efficiency falls: the alpha-beta model, per message.
 
 **Per message.** Sending one message of M bytes over a link costs ``alpha + M / bandwidth``: a fixed
-latency plus a time per byte (the Hockney model; nccl-tests' PERFORMANCE.md: "roughly equal to
-overhead + size / bw"). A **ring all-reduce** on N ranks is 2(N-1) such messages of M/N bytes one after
+latency plus a time per byte (the Hockney model; nccl-tests' PERFORMANCE.md writes the same form,
+"roughly equal to overhead + size / bw", for a whole collective's time). A **ring all-reduce** on N ranks is 2(N-1) such messages of M/N bytes one after
 another (N-1 for its reduce-scatter, N-1 for its all-gather), so
 
     t_ring(M, N) = 2(N-1) x alpha + 2(N-1)/N x M / bandwidth.
@@ -12,9 +12,11 @@ to whole 2-rank all-reduces and then reusing that alpha per message counts the l
 (:func:`fit_alpha_beta` describes a whole call; :func:`fit_ring` recovers the per-message link from
 all-reduces of known world size).
 
-**Two link classes.** Inside a node GPUs talk over NVLink; between nodes over the network, 10-100x
-slower (seed 003: 600 GB/s NVLink against 50 GB/s for 400 Gb/s InfiniBand, 12x; the A100's 600 GB/s
-adds both directions, and a ring sends one way, so per direction it is 300 GB/s, 6x). A flat ring that
+**Two link classes.** Inside a node GPUs talk over NVLink; between nodes over the network, roughly an
+order of magnitude slower per GPU (seed 003 says 10-100x; with one 200-400 Gb/s NIC per GPU, as on DGX
+A100/H100 nodes, it is about 6-12x). Seed 003's own figures: 600 GB/s NVLink against 50 GB/s for 400
+Gb/s InfiniBand, 12x; but the A100's 600 GB/s counts both directions, and a ring rank sends 2(N-1)/N x M
+out while it receives as much in, so its send rate, 300 GB/s per direction, bounds it: 6x. A flat ring that
 crosses nodes moves at its slowest hop, every step (:func:`ring_all_reduce_seconds` with ``inter``); a
 hierarchical all-reduce (reduce-scatter inside each node, all-reduce across nodes on 1/g of the bytes,
 all-gather inside) sends only 1/g of the bytes over the slow links (:func:`hierarchical_all_reduce_seconds`).

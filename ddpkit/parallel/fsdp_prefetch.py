@@ -5,9 +5,12 @@ the critical path: the unit waits for it. *Prefetching* issues it earlier, while
 computes, so that communication and compute overlap. ``set_modules_to_forward_prefetch`` and
 ``set_modules_to_backward_prefetch`` name the units to gather ahead ("the prefetched all-gather is
 issued earlier from the CPU"; two or more are "required for more aggressive overlap and will use more
-reserved memory", their docstrings). FSDP2 already prefetches one unit in backward on its own (the
-reverse of the forward order, ``FSDPParamGroup._backward_prefetch``); in forward it prefetches nothing
-unless told.
+reserved memory", their docstrings). FSDP2 already prefetches one unit in backward on its own, explicitly
+(the reverse of the forward order, ``FSDPParamGroup._backward_prefetch``); in forward it prefetches
+implicitly: it issues unit k+1's all-gather after unit k's kernels, on its own stream, so on a GPU the
+gather runs while unit k still computes, and two gathered units can be alive (PyTorch's FSDP notes). A
+forward prefetch list of one module only moves that issue earlier on the CPU. On gloo the issue blocks,
+so the counts here see one unit in forward.
 
 * **Memory** (:func:`run_prefetch`): with k units prefetched, k + 1 units' whole parameters are alive
   at once; counted from the order of events, in forward and in backward.
@@ -17,7 +20,7 @@ unless told.
 
 **Why this needs one switch on gloo.** FSDP2 calls its all-gathers with ``async_op=False`` and relies on
 a GPU's streams for the overlap: on NCCL such a call only queues the collective on a communication
-stream and returns, and the next unit's kernels run beside it. On gloo the same call blocks the calling
+stream and returns, and the transfer runs beside the kernels already queued. On gloo the same call blocks the calling
 thread until the bytes have arrived, so with FSDP2's defaults nothing can overlap on a CPU (that is the
 control here: ``blocking``). ``FSDPModule._set_unshard_async_op(True)`` (private in torch 2.13) makes
 FSDP2 pass ``async_op=True`` and wait on the work handle just before the unit runs: the CPU equivalent

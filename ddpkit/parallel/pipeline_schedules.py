@@ -12,7 +12,8 @@ the ideal time of a batch is t_id = m (t_f + t_b) and the bubble time t_pb = (p 
 a share of the *ideal compute time*, not of the step (1F1B's is (p - 1) / m in the same units). The price,
 in the paper's words: "the amount of communication also increases by v", and the first ranks hold more
 activations during the longer warm-up. (The paper asks m to be a multiple of p; torch, and this module,
-accept any m that splits into rounds of at most p.)
+accept any m divisible by the number of rounds, max(1, m // p): with p = 4, m = 3, 6 or 10 are accepted and
+m = 9 is not. A round then holds at least p micro-batches, or all m when m < p.)
 
 **Zero bubble** (Qi et al. 2023, "Zero Bubble Pipeline Parallelism"). A backward is two computations: the
 gradient of the *input* (the paper's B, torch's ``I``), which the previous stage is waiting for, and the
@@ -21,7 +22,9 @@ later fills idle slots. ZB-H1 (section 2.1) keeps 1F1B's warm-up and delays W pa
 holds more micro-batches than 1F1B's first stage; with T_F = T_B = T_W its bubble is a third of 1F1B's:
 (p - 1) / (3m) of the ideal time, against (p - 1) / m. torch's generator (followed here) has rank r skip
 the W of its first r steady steps and run those W passes in the flush. torch's
-``ScheduleInterleavedZeroBubble`` is the same with v chunks per rank (the paper's ZB-H1 when v = 1).
+``ScheduleInterleavedZeroBubble`` is the same with v chunks per rank: torch documents it as the paper's
+ZB1P (the schedule its algorithm finds under 1F1B's memory limit); with v = 1 its order has ZB-H1's
+shape, which is what this module generates and checks.
 
 **ZB-V** (Qi et al., section 6): two chunks per rank placed in a V (rank r holds chunks r and 2p - 1 - r,
 so the last rank runs the middle two back to back and the first rank holds both ends), with F, B and W
@@ -63,7 +66,8 @@ def _rounds(p: int, m: int) -> int:
     """Micro-batches per round: forwards go p at a time through one chunk before moving to the next."""
     rounds = max(1, m // p)
     if m % rounds:
-        raise ValueError(f"{m} micro-batches do not split into {rounds} rounds of at most {p}: use a multiple of {p}")
+        raise ValueError(f"{m} micro-batches do not split into {rounds} equal rounds (max(1, m // p) of them, p = {p}): "
+                         f"use a multiple of {p}")
     return m // rounds
 
 

@@ -11,8 +11,10 @@ runs the same update on every parameter. ZeRO-1 (Rajbhandari et al., 2020) cuts 
 4. an **all-gather** of the updated shards gives every rank the whole new model again.
 
 Reduce-scatter plus all-gather is exactly the two halves of a ring all-reduce (``comm.py``), so ZeRO-1
-moves the same bytes as DDP and saves memory for free. With 2 ranks the numbers it adds are the same
-numbers in the same order as DDP's, so the parameters stay **bitwise** equal to DDP + AdamW's.
+moves the same bytes as DDP and saves memory for free. With 2 ranks and gradient clipping off, the
+numbers it adds are the same numbers in the same order as DDP's, so the parameters stay **bitwise**
+equal to DDP + AdamW's; with clipping on, the norm is summed from the shards in another order and the
+last bits differ.
 
 :class:`ZeroAdamW` is that optimizer, written from scratch, with a torch optimizer's ``state_dict``
 contract: ``state_dict()`` returns the whole AdamW state (gathered, keyed by parameter index, exactly
