@@ -11,8 +11,9 @@ process leaves after a barrier with ``os._exit``, as the kit's torchrun workers 
 
 Why ``os._exit``: a process that ends the ordinary way tears down a live process group in C++ destructors
 at interpreter exit, and that can abort with "terminate called without an active exception" after
-training has finished (seen with ZeRO-3 under these launchers in 2 of 24 runs; the exit code is then
-non-zero, and a launcher reports the job failed). ``os._exit`` runs no destructor at all, after a barrier
+training has finished (seen in 2 of 24 ZeRO-3 runs of an earlier measurement; the exit code is then
+non-zero, and the launcher reports the job failed; rare: 0 in 24 torchrun runs of
+``benchmarks/deepspeed_exit.py``). ``os._exit`` runs no destructor at all, after a barrier
 so that no rank leaves while a peer may still be talking to it. ``--exit interpreter`` ends the ordinary
 way instead, and ``--exit destroy`` after ``gc.collect()`` and ``destroy_process_group()`` (what
 :func:`ddpkit.runtime.destroy_process_group` does for a process that lives on), to measure what each costs
