@@ -119,7 +119,7 @@ def test_without_ray_the_extra_is_named_in_one_line():
 
 def test_notebook_22s_ray_section_runs_and_its_records_hold(tmp_path, monkeypatch):
     """Notebook 22 with run_ray = True: its Ray Train section against the kit's launcher, checked by check_22.
-    Kept out of the notebook's own run, which it would take past a minute (it adds 49-56 s here)."""
+    Kept out of the notebook's own run, which it would take past a minute (it adds 22-56 s here)."""
     if missing("ray"):
         pytest.skip(missing("ray"))
     import papermill
