@@ -115,3 +115,25 @@ def test_without_ray_the_extra_is_named_in_one_line():
                           env=cli_env(), cwd=REPO)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and "pip install 'ddpkit[ray]'" in lines[0], proc.stderr
+
+
+def test_notebook_22s_ray_section_runs_and_its_records_hold(tmp_path, monkeypatch):
+    """Notebook 22 with run_ray = True: its Ray Train section against the kit's launcher, checked by check_22.
+    Kept out of the notebook's own run, which it would take past a minute (it adds 22-56 s here)."""
+    if missing("ray"):
+        pytest.skip(missing("ray"))
+    import papermill
+
+    from ddpkit.notebook import read_records
+    from test_notebooks import check_22
+
+    monkeypatch.setenv("DDPKIT_PROGRESS", "text")
+    before = ray_leftovers()
+    out = tmp_path / "22_engines.ipynb"
+    papermill.execute_notebook(str(REPO / "notebooks" / "22_engines.ipynb"), str(out), parameters={"run_ray": True},
+                               kernel_name="python3", cwd=str(REPO / "notebooks"), execution_timeout=300, progress_bar=False)
+    records = read_records(json.loads(out.read_text()))
+    check_22(records)
+    assert records["ray"] == {"equal": True, "sha_equal": True}
+    assert all(records["seed_table"]["rows"].values()), "with Ray, every row of seed 003's table is proved in the notebook"
+    assert [new - old for new, old in zip(ray_leftovers(), before)] == [set(), set()]

@@ -1,6 +1,10 @@
 """Other engines running the kit's jobs: Ray Train's worker group (``ray_launch``) and DeepSpeed's ZeRO
-(``deepspeed_run``). Both are optional extras (``ddpkit[ray]``, ``ddpkit[deepspeed]``); nothing here
-imports them until it is used, and a missing one is named in one line (:func:`require`)."""
+(``deepspeed_run``; as a command for torchrun or DeepSpeed's launcher, ``deepspeed_job``). Both are optional
+extras (``ddpkit[ray]``, ``ddpkit[deepspeed]``); nothing here imports them until it is used, and a missing
+one is named in one line (:func:`require`). Beside them: ``side_by_side`` runs every engine in one launch,
+``traffic`` counts each engine's collectives the same way (torch's Flight Recorder), ``compare`` lays the
+ZeRO stages out against the kit's strategies and the memory calculator, and ``seed_rows`` holds the small
+runs behind seed 003's comparison table."""
 
 from __future__ import annotations
 

@@ -40,6 +40,7 @@ from torch.utils.data import DataLoader
 from ddpkit import metrics
 from ddpkit.config import TrainConfig
 from ddpkit.data import ResumableDistributedSampler, build_dataset
+from ddpkit.engines import require, traffic
 from ddpkit.models import build_model, loss_fn
 from ddpkit.runtime import RankContext, seed_everything
 from ddpkit.step import global_loss_sum
@@ -66,7 +67,9 @@ def extensions_dir() -> str:
 
 
 def import_deepspeed():
-    """``import deepspeed`` on the CPU accelerator, quietly (its start-up report is long)."""
+    """``import deepspeed`` on the CPU accelerator, quietly (its start-up report is long). Without the extra,
+    :class:`~ddpkit.engines.MissingExtra`'s one line (``pip install 'ddpkit[deepspeed]'``), not a traceback."""
+    require("deepspeed")
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", extensions_dir())
     import logging
@@ -103,14 +106,18 @@ def build_ops(ops: tuple[str, ...] = OPS) -> None:
         CPUAdamBuilder().load(verbose=False)
 
 
-def cpu_config(cfg: TrainConfig, world_size: int, stage: int, clipping: float | None = 0.0) -> dict:
+def cpu_config(cfg: TrainConfig, world_size: int, stage: int, clipping: float | None = 0.0,
+               cpu_adam: bool = False) -> dict:
     """The kit's job as a DeepSpeed config: its batch, torch's AdamW at its lr and weight decay, ZeRO ``stage``.
-    ``clipping=None`` leaves ``gradient_clipping`` out, so DeepSpeed's default applies."""
+    ``clipping=None`` leaves ``gradient_clipping`` out, so DeepSpeed's default applies. ``cpu_adam=True``
+    offloads the optimizer to the CPU instead (ZeRO-Offload, stage 1 or more), which makes ``"AdamW"``
+    DeepSpeed's compiled ``DeepSpeedCPUAdam`` (:func:`build_ops` first) with the same hyperparameters."""
+    adam = {"lr": cfg.lr, "weight_decay": cfg.weight_decay} | ({} if cpu_adam else {"torch_adam": True})
     config = {
         "train_batch_size": cfg.micro_batch_size * cfg.grad_accum * world_size,
         "train_micro_batch_size_per_gpu": cfg.micro_batch_size, "gradient_accumulation_steps": cfg.grad_accum,
-        "optimizer": {"type": "AdamW", "params": {"lr": cfg.lr, "weight_decay": cfg.weight_decay, "torch_adam": True}},
-        "zero_optimization": {"stage": stage},
+        "optimizer": {"type": "AdamW", "params": adam},
+        "zero_optimization": {"stage": stage} | ({"offload_optimizer": {"device": "cpu"}} if cpu_adam else {}),
     }
     if clipping is not None:
         config["gradient_clipping"] = clipping
@@ -181,18 +188,21 @@ def train_engine(ctx: RankContext, cfg: TrainConfig, config: dict) -> dict:
 
     Returns the global loss of each step (computed as the kit's trainer computes it), the sha256 of the
     final weights (gathered from the shards under ZeRO-3), the bytes of parameters and optimizer state
-    this rank holds, and the collectives issued per phase (counted on every step after the first)."""
+    this rank holds, the optimizer the engine built, and the collectives issued per step from the second
+    step on, counted twice: by the Flight Recorder as for every engine (:mod:`ddpkit.engines.traffic`), and
+    by DeepSpeed's own communication logger (``deepspeed.comm``'s calls, by name), a cross-check."""
     deepspeed = import_deepspeed()
     deepspeed.init_distributed(dist_backend="gloo")
     seed_everything(cfg.seed)
     model = build_model(cfg)
     engine, _, _, _ = deepspeed.initialize(model=model, config=copy.deepcopy(config), model_parameters=model.parameters())
-    batches, losses = kit_batches(ctx, cfg), []
+    batches, losses, start = kit_batches(ctx, cfg), [], -1
     comms = deepspeed.comm.comm.comms_logger  # DeepSpeed's own record of every deepspeed.comm call
     for step in range(cfg.steps):
         if step == 1:  # count the steady state: from the second step on (the first also sets buffers up)
             deepspeed.comm.configure(enabled=True, prof_all=True)
             comms.comms_dict = {}
+            start = traffic.last_record_id()
         loss_sum = 0.0
         for _ in range(cfg.grad_accum):
             batch = next(batches)
@@ -200,18 +210,21 @@ def train_engine(ctx: RankContext, cfg: TrainConfig, config: dict) -> dict:
             engine.backward(per_sample.mean())  # the engine divides by the accumulation steps itself
             loss_sum += float(per_sample.detach().sum())
             engine.step()  # an optimizer step only at the accumulation boundary
-        losses.append(global_loss_sum(ctx, loss_sum) / cfg.global_batch_size)  # torch's all_reduce: not counted
+        losses.append(global_loss_sum(ctx, loss_sum) / cfg.global_batch_size)  # the comparison's own: not counted
     deepspeed.comm.configure(enabled=False)
     counted = max(1, cfg.steps - 1)
-    per_step = {op: sum(record[0] for record in sizes.values()) / counted for op, sizes in comms.comms_dict.items()}
+    flight = traffic.per_step(traffic.since(start), counted) if cfg.steps > 1 else {}
+    logged = {op: sum(record[0] for record in sizes.values()) / counted for op, sizes in comms.comms_dict.items()}
     comms.comms_dict = {}
     stage = engine.zero_optimization_stage()
     with gathered(deepspeed, model, stage):
         state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     held = held_bytes(engine, model, stage)
+    inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
     engine.destroy()
     return {"stage": stage, "losses": losses, "param_sha256": metrics.state_sha256(state), "bytes": held,
-            "collectives_per_step": per_step, "clipping": engine.gradient_clipping()}
+            "collectives_per_step": flight, "deepspeed_logged_per_step": logged,
+            "clipping": engine.gradient_clipping(), "optimizer": type(inner).__name__}
 
 
 @contextlib.contextmanager
