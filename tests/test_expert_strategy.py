@@ -173,7 +173,51 @@ def test_a_capacity_factor_in_range_is_accepted():  # control for the refusals a
         assert TrainConfig(world_size=4, capacity_factor=factor, **MOE).capacity_factor == factor
 
 
-def test_a_sharded_checkpoint_of_expert_slices_is_refused(tmp_path):
-    with pytest.raises(ValueError, match="use --checkpoint-format full"):
-        TrainConfig(world_size=4, ep=2, checkpoint_dir=str(tmp_path), checkpoint_format="dcp", **MOE)
+@pytest.fixture(scope="module")
+def dcp_runs(tmp_path_factory):
+    """--ep 2 with dcp checkpoints: each rank writes its experts' rows, nothing gathered; resumed under
+    --ep 2 and under --ep 1 from the same step-3 checkpoint, and an --ep 1 dcp checkpoint under --ep 2."""
+    folder = tmp_path_factory.mktemp("ep-dcp")
+    dcp = dict(MOE, checkpoint_format="dcp", checkpoint_every=3)
+    out = {"whole": run(4, ep=2, checkpoint_dir=str(folder / "a"), **dcp), "ddp": run(4, checkpoint_dir=str(folder / "d"), **dcp)}
+    for source, copy in (("a", "b"), ("a", "c"), ("d", "e")):  # the step-3 checkpoints of uninterrupted runs
+        shutil.copytree(folder / source, folder / copy)
+        shutil.rmtree(checkpoint.step_dir(folder / copy, 6))
+    out["resumed"] = run(4, ep=2, checkpoint_dir=str(folder / "b"), resume=True, **dcp)
+    out["as_ep1"] = run(4, checkpoint_dir=str(folder / "c"), resume=True, **dcp)
+    out["from_ep1"] = run(4, ep=2, checkpoint_dir=str(folder / "e"), resume=True, **dcp)
+    out["files"] = sorted(p.name for p in checkpoint.step_dir(folder / "a", 3).iterdir())
+    return out
+
+
+def test_ep_dcp_checkpoints_resume_exactly_and_under_another_ep(dcp_runs):
+    whole, resumed = dcp_runs["whole"], dcp_runs["resumed"]
+    assert whole["checkpoint_format"] == "dcp" and resumed["resumed_from_step"] == 3
+    assert (resumed["param_sha256"], resumed["optimizer_sha256"], resumed["data_sha256"]) == \
+        (whole["param_sha256"], whole["optimizer_sha256"], whole["data_sha256"])
+    other, back = dcp_runs["as_ep1"], dcp_runs["from_ep1"]
+    assert other["ep"] == 1 and other["resumed_from_step"] == 3 and other["data_sha256"] == whole["data_sha256"]
+    assert max_loss_diff(other, whole, skip=3) <= CROSS_TOL
+    assert back["ep"] == 2 and back["resumed_from_step"] == 3 and back["data_sha256"] == dcp_runs["ddp"]["data_sha256"]
+    assert max_loss_diff(back, dcp_runs["ddp"], skip=3) <= CROSS_TOL
+
+
+def test_an_ep_dcp_checkpoint_holds_every_expert_once():
+    """What each rank of --ep 2 tells DCP: its experts as rows [first, first + E/ep) of the whole (E, ...)
+    tensors, replicated tensors whole. The two ep positions' rows tile each expert tensor exactly."""
+    described = launch(_described_rows, TrainConfig(world_size=4, ep=2, **MOE), world_size=4, output="none")
+    for name, whole_rows in described[0].items():
+        rows = sorted({tuple(rank[name]) for rank in described})
+        assert rows == [(0, 2), (2, 4)] and whole_rows == [0, 2], (name, rows)
+
+
+def _described_rows(ctx, cfg) -> dict:
+    from ddpkit.parallel.chunks import Chunked
+
+    trainer = Trainer(ctx, cfg)
+    model_state, _ = trainer.strategy.sharded_state_dicts(trainer.model, trainer.optimizer)
+    trainer.close()
+    experts = {n: t for n, t in model_state.items() if isinstance(t, Chunked)}
+    assert experts and all(".experts." in n for n in experts), sorted(model_state)
+    return {n: [t.pieces[0][0][0], t.pieces[0][0][0] + t.pieces[0][1].shape[0]] for n, t in experts.items()}
 

@@ -24,9 +24,6 @@ def check(cfg, need) -> None:
          "without --tp, --pp and --cp")
     need(cfg.amp != "fp16", "the load-balancing loss enters the gradient outside the loss that GradScaler scales: "
          "use --amp bf16 or off with --experts")
-    need(cfg.ep == 1 or not cfg.checkpoint_dir or cfg.checkpoint_format == "full",
-         "with --ep a full checkpoint gathers every rank's experts; dcp would save each rank's slice under one name: "
-         "use --checkpoint-format full")
     need(not cfg.activation_checkpointing, "activation checkpointing is not wired for the mixture of experts: "
          "drop --activation-checkpointing or --experts")
 

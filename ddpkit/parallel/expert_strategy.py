@@ -36,7 +36,10 @@ zero-loss warm-up pass treat both alike (fp16's GradScaler would not: ``--amp fp
 **State** is the model's without expert parallelism: :meth:`state_dicts` gathers every expert (weights
 and Adam moments) over the ep group into whole (E, ...) tensors, and :meth:`load_state_dicts` keeps
 this rank's slice. A ``full`` checkpoint therefore resumes under any ep that divides E, ep = 1
-included (``dcp`` would save each rank's slice under the same names: refused with ``--ep``).
+included. For ``dcp`` nothing is gathered (:meth:`held_state`): each expert tensor is described as
+the rows [first, first + E/ep) of its whole (E, ...) tensor (a :class:`~ddpkit.parallel.chunks.Chunked`),
+the rest whole; every rank writes its rows (the edp ranks that hold the same rows, once), and a load
+fills this rank's rows in place from whatever layout wrote them, ep = 1 included.
 
 The summary reports, per MoE layer, the tokens each expert took (kept assignments) and the assignments
 dropped at capacity, summed over the ranks and the steps of this run.
@@ -48,9 +51,12 @@ import torch
 import torch.distributed as dist
 
 from ddpkit.metrics import CommTimer
+from ddpkit.parallel.base import _param_names
+from ddpkit.parallel.chunks import Chunked, adam_state
 from ddpkit.parallel.ddp import DDPStrategy
 from ddpkit.parallel.expert_parallel import ExpertParallelMoE
 from ddpkit.parallel.experts import MoE
+from ddpkit.parallel.held_state import MOMENTS, HeldState, param_groups
 
 AUX_COEF = 1e-2  # the Switch Transformer's load-balancing coefficient (Fedus et al. 2021, arXiv 2101.03961)
 EXPERT_KEY = ".experts."  # parameter names of the experts' stacked weights: blocks.{i}.mlp.experts.{w1,b1,w2,b2}
@@ -64,7 +70,7 @@ def moe_layers(model: torch.nn.Module) -> list:
     return [m for m in model.modules() if isinstance(m, (MoE, ExpertParallelMoE))]
 
 
-class ExpertParallelStrategy(DDPStrategy):
+class ExpertParallelStrategy(HeldState, DDPStrategy):
     """The MoE GPT over the world, its experts split over ep ranks (see the module docstring)."""
 
     name = "ddp"
@@ -91,6 +97,10 @@ class ExpertParallelStrategy(DDPStrategy):
         return self.mesh.get_group("edp")
 
     # ------------------------------------------------------------------ model
+
+    def build_optimizer(self, model: torch.nn.Module, lr: float, weight_decay: float) -> torch.optim.Optimizer:
+        self.optimizer = super().build_optimizer(model, lr, weight_decay)
+        return self.optimizer
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """ep = 1: DDP over the world. ep > 1: each MoE becomes its expert-parallel form (this rank's
@@ -181,8 +191,8 @@ class ExpertParallelStrategy(DDPStrategy):
     def state_dicts(self, model, optimizer, rank0_only: bool = True) -> tuple[dict, dict]:
         """Whole model and optimizer state: every expert gathered over the ep group (collective)."""
         if self.ep == 1:
-            return super().state_dicts(model, optimizer, rank0_only)
-        model_state, optimizer_state = super().state_dicts(model, optimizer, rank0_only=False)
+            return DDPStrategy.state_dicts(self, model, optimizer, rank0_only)
+        model_state, optimizer_state = DDPStrategy.state_dicts(self, model, optimizer, rank0_only=False)
         local = {n: p.shape for n, p in model.named_parameters() if is_expert(n)}
         for name in sorted(local):
             model_state[name] = self._gather(model_state[name])
@@ -192,6 +202,37 @@ class ExpertParallelStrategy(DDPStrategy):
         if rank0_only and not self.ctx.is_main:
             return {}, {}
         return model_state, optimizer_state
+
+    def _described(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """An expert tensor as rows of its whole (E, ...) tensor; any other tensor as it is."""
+        if not is_expert(name):
+            return tensor
+        whole = (self.num_experts, *tensor.shape[1:])
+        return Chunked(whole, [((self._first(),) + (0,) * (tensor.dim() - 1), tensor)], tensor.dtype, tensor.device)
+
+    def model_names(self, model) -> list[str]:
+        return list(model.state_dict())
+
+    def held_state(self, model, optimizer) -> tuple[dict, dict]:
+        """What this rank holds, keyed by the model's names, each expert tensor as its rows of the whole."""
+        model_state = {n: self._described(n, t) for n, t in model.state_dict().items()}
+        if optimizer is None:
+            return model_state, {}
+        names = _param_names(model)
+        entries = adam_state(optimizer, [p for p in model.parameters() if p.requires_grad])
+        state = {name: {k: (self._described(name, v) if k in MOMENTS else v) for k, v in entry.items()}
+                 for name, entry in zip(names, entries)}  # each moment has its parameter's rows
+        return model_state, {"state": state, "param_groups": param_groups(optimizer, names)}
+
+    def sharded_state_dicts(self, model, optimizer) -> tuple[dict, dict]:
+        if self.ep == 1:
+            return DDPStrategy.sharded_state_dicts(self, model, optimizer)
+        return self.held_state(model, optimizer)
+
+    def load_sharded_state_dicts(self, model, optimizer, model_state, optimizer_state) -> None:
+        if self.ep == 1:
+            return DDPStrategy.load_sharded_state_dicts(self, model, optimizer, model_state, optimizer_state)
+        return HeldState.load_sharded_state_dicts(self, model, optimizer, model_state, optimizer_state)
 
     def _gather(self, tensor: torch.Tensor) -> torch.Tensor:
         parts = [torch.empty_like(tensor) for _ in range(self.ep)]
@@ -212,7 +253,7 @@ class ExpertParallelStrategy(DDPStrategy):
             if optimizer_state is not None:
                 optimizer_state = {**optimizer_state, "state": {n: {k: mine(n, v) for k, v in entry.items()}
                                                                 for n, entry in optimizer_state["state"].items()}}
-        super().load_state_dicts(model, optimizer, model_state, optimizer_state)
+        DDPStrategy.load_state_dicts(self, model, optimizer, model_state, optimizer_state)
 
     # ------------------------------------------------------------------ what the summary shows
 
