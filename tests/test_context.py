@@ -96,7 +96,8 @@ def test_posting_the_next_hop_first_hides_the_communication():
     assert hidden < exposed, (hidden, exposed)  # the same bytes; posted after the block, all of them are waited for
     assert ranks[0]["overlap"]["bytes_sent"] == ranks[0]["serial"]["bytes_sent"] > 0
     for rank in ranks:
-        for row in rank.values():  # every second blocked is either a late peer or the bytes
+        assert len(rank["pairs"]) == 11  # each repeat's two modes, back to back: the notebook's sign test
+        for row in (rank["overlap"], rank["serial"]):  # every second blocked is either a late peer or the bytes
             assert row["late_peer_s"] + row["on_bytes_s"] == pytest.approx(row["wait_s"], abs=1e-3), row
     for mode in ("overlap", "serial"):  # every rank reported the same (median) run
         assert ranks[0][mode]["all_ranks_on_bytes_s"] == pytest.approx(sum(r[mode]["on_bytes_s"] for r in ranks))

@@ -71,5 +71,6 @@ def _overflow(ctx):
 
 def test_a_ring_too_small_for_the_window_is_refused(monkeypatch):
     monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "4")  # the ranks' ring keeps 4 entries
-    message = launch(_overflow, world_size=2, output="none", backend="gloo")[0]
+    # spawned: a rank forked from a process whose recorder already started keeps that recorder's size
+    message = launch(_overflow, world_size=2, output="none", backend="gloo", start_method="spawn")[0]
     assert "dropped entries" in message and "TORCH_FR_BUFFER_SIZE" in message, message
