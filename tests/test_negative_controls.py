@@ -105,3 +105,196 @@ def test_a_published_checkpoint_is_durable_only_because_every_file_and_folder_is
     the same check names what a power cut could lose (the rename that published the checkpoint)."""
     assert _fsynced_inodes(monkeypatch, tmp_path, remove_folder_fsyncs=False) == []
     assert _fsynced_inodes(monkeypatch, tmp_path, remove_folder_fsyncs=True) != []
+
+
+# ------------------------------------------------------------------ 02: the sampler
+
+def _epochs_seen(ctx, dataset_size, global_batch, epochs, removed=None):
+    """Notebook 02's ``indices_seen``: this rank's sample ids, epoch by epoch, through a DataLoader."""
+    from torch.utils.data import DataLoader
+
+    from ddpkit.data import ResumableDistributedSampler
+
+    original = ResumableDistributedSampler.epoch_order
+    if removed == "seed":  # the shuffle drawn from a generator seeded afresh from the operating system
+        ResumableDistributedSampler.epoch_order = lambda self, epoch: torch.randperm(
+            self.dataset_len, generator=torch.Generator().manual_seed(torch.Generator().seed())).tolist()
+    elif removed == "epoch":  # the epoch left out of the shuffle's seed
+        ResumableDistributedSampler.epoch_order = lambda self, epoch: original(self, 0)
+    seen = []
+    for epoch in range(epochs):
+        sampler = ResumableDistributedSampler(dataset_size, ctx.world_size, ctx.rank, global_batch, seed=17,
+                                              consumed_samples=epoch * dataset_size)
+        seen.append([int(i) for i in DataLoader(range(dataset_size), batch_size=None, sampler=sampler)])
+    return seen
+
+
+def test_a_sampler_whose_shuffle_is_not_seeded_deals_another_partition_each_run():
+    """02: "deterministic: the same partition on every run" holds because the shuffle is seeded with
+    seed + epoch; drawn from a fresh seed, two runs (and the two ranks) deal different orders."""
+    from ddpkit.data import check_partition
+
+    runs = {removed: [launch(_epochs_seen, 96, 16, 2, removed, world_size=2, output="none") for _ in range(2)]
+            for removed in (None, "seed")}
+    assert runs[None][0] == runs[None][1]
+    assert all(check_partition([ranks[r][0] for r in range(2)], range(96)).ok for ranks in runs[None])
+    assert runs["seed"][0] != runs["seed"][1]
+    assert not check_partition([runs["seed"][0][r][0] for r in range(2)], range(96)).ok  # the ranks disagree too
+
+
+def test_without_the_epoch_in_its_seed_the_sampler_repeats_its_order_and_leaves_torchs():
+    """02: "a new order every epoch" and "bitwise PyTorch's own sampler" (at epoch 1) both come from
+    seeding the shuffle with seed + epoch, as ``DistributedSampler.set_epoch`` does."""
+    from torch.utils.data import DistributedSampler
+
+    theirs = DistributedSampler(range(96), num_replicas=2, rank=0, seed=17, drop_last=True)
+    theirs.set_epoch(1)
+    for removed, same_order, like_torch in ((None, False, True), ("epoch", True, False)):
+        ours = launch(_epochs_seen, 96, 16, 2, removed, world_size=2, output="none")
+        assert (ours[0][0] == ours[0][1]) == same_order and (ours[0][1] == list(theirs)) == like_torch, removed
+
+
+def _sampler_defaults(ctx):
+    from torch.utils.data import DistributedSampler
+
+    sampler = DistributedSampler(range(10))
+    return sampler.num_replicas, sampler.rank
+
+
+def test_outside_a_process_group_the_sampler_has_no_defaults():
+    """02: "defaults: the group's world size and rank": inside real ranks they are the group's; in a
+    process that has no process group (this one) there is nothing to read them from."""
+    import pytest
+    from torch.utils.data import DistributedSampler
+
+    assert launch(_sampler_defaults, world_size=2, output="none") == [(2, 0), (2, 1)]
+    with pytest.raises((RuntimeError, ValueError)):
+        DistributedSampler(range(10))
+
+
+def _handbook_counts(num_workers: int) -> tuple[int, int]:
+    """Notebook 02's handbook cell: four batches trained, and what the handbook's sampler counted."""
+    from torch.utils.data import DataLoader
+
+    from ddpkit.data import HandbookResumeSampler
+
+    sampler = HandbookResumeSampler(range(96), num_replicas=1, rank=0, seed=17)
+    loader = DataLoader(range(96), batch_size=1, sampler=sampler, num_workers=num_workers,
+                        **({"prefetch_factor": 4, "multiprocessing_context": "fork"} if num_workers else {}))
+    trained = 0
+    for _ in loader:
+        trained += 1
+        if trained == 4:
+            break
+    return sampler.consumed, trained
+
+
+def test_the_handbook_sampler_overcounts_only_because_workers_prefetch():
+    """02: ``h.consumed > trained``: the DataLoader's workers pull indices ahead of training; without
+    workers (nothing prefetched) the count trails training (it is advanced after each index is used)."""
+    counted, trained = _handbook_counts(2)
+    assert counted > trained
+    counted, trained = _handbook_counts(0)
+    assert trained == 4 and not counted > trained
+
+
+def test_a_mid_epoch_resume_continues_the_partition_only_because_the_sampler_skips_what_was_consumed(monkeypatch):
+    """02: a sampler resumed at ``consumed_samples`` continues the epoch where it stopped; one that starts
+    each epoch from its beginning (the offset removed) repeats the steps already trained."""
+    from ddpkit.data import ResumableDistributedSampler
+
+    def split_at_two_steps():
+        full = [list(ResumableDistributedSampler(96, 2, r, 16, 17)) for r in range(2)]
+        before = [f[:16] for f in full]  # two steps of 8 per rank
+        after = [list(ResumableDistributedSampler(96, 2, r, 16, 17, consumed_samples=32)) for r in range(2)]
+        return [a + b for a, b in zip(before, after)] == full
+
+    assert split_at_two_steps()
+    monkeypatch.setattr(ResumableDistributedSampler, "__iter__",
+                        lambda self: iter(self.epoch_order(self.epoch)[self.rank:self.samples_per_epoch:self.num_replicas]))
+    assert not split_at_two_steps()
+
+
+# ------------------------------------------------------------------ 03: the model and its optimizer
+
+def _state_bytes_after_a_step(model, optimizer) -> int:
+    """Bytes of optimizer state (every tensor but the step counters) after one real step."""
+    x, y = torch.randn(8, 32), torch.randint(0, 8, (8,))
+    loss_fn(model(x), y).backward()
+    optimizer.step()
+    return sum(t.numel() * t.element_size() for s in optimizer.state.values() for k, t in s.items()
+               if k != "step" and torch.is_tensor(t))
+
+
+def _param_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def test_the_optimizer_holds_twice_the_weights_only_because_adamw_keeps_two_moments():
+    """03: "AdamW: exp_avg + exp_avg_sq": 2 x the parameter bytes; an optimizer with one moment (SGD with
+    momentum) holds 1 x, and the same check fails."""
+    cfg = TrainConfig(**SMALL)
+    model = build_model(cfg)
+    assert _state_bytes_after_a_step(model, train.build_optimizer(model, cfg)) == 2 * _param_bytes(model)
+    model = build_model(cfg)
+    assert _state_bytes_after_a_step(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)) == _param_bytes(model)
+
+
+def test_mixed_precision_holds_12_bytes_a_parameter_only_with_an_fp32_master_copy():
+    """03: "12P of optimizer state in mixed precision": an fp32 master copy (4 B) and two fp32 moments
+    (8 B) beside the bf16 weights; AdamW run on the bf16 weights themselves (no master) holds 4 B."""
+    cfg = TrainConfig(**SMALL)
+    half = build_model(cfg).to(torch.bfloat16)
+    n = sum(p.numel() for p in half.parameters())
+    master = [p.detach().float().clone().requires_grad_() for p in half.parameters()]
+    with_master = torch.optim.AdamW(master)
+    for p in master:
+        p.grad = torch.zeros_like(p)
+    with_master.step()
+    state = sum(t.numel() * t.element_size() for t in master) + sum(
+        t.numel() * t.element_size() for s in with_master.state.values() for k, t in s.items() if k != "step")
+    assert state == 12 * n
+    for p in half.parameters():  # the master copy removed: AdamW on the bf16 weights themselves
+        p.grad = torch.zeros_like(p)
+    direct = torch.optim.AdamW(half.parameters())
+    direct.step()
+    state = sum(t.numel() * t.element_size() for s in direct.state.values() for k, t in s.items() if k != "step")
+    assert state == 4 * n
+
+
+def _autocast_step(model, autocast: bool) -> tuple[torch.dtype, set, int]:
+    """Notebooks 03 and 05: one real step; the logits' dtype, the dtypes and bytes held afterwards."""
+    optimizer = torch.optim.AdamW(model.parameters())
+    x, y = torch.randn(8, 32), torch.randint(0, 8, (8,))
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        logits = model(x.to(next(model.parameters()).dtype))
+    loss_fn(logits.float(), y).backward()
+    optimizer.step()
+    held = [*model.parameters(), *(p.grad for p in model.parameters()),
+            *(t for s in optimizer.state.values() for k, t in s.items() if k != "step")]
+    return logits.dtype, {t.dtype for t in held}, sum(t.numel() * t.element_size() for t in held)
+
+
+def test_autocast_computes_in_bf16_and_holds_fp32_state_and_a_cast_model_does_not():
+    """03 and 05: under autocast the matmuls run in bf16 while weights, gradients and Adam's state stay
+    fp32 (16 B a parameter). Without autocast the logits are fp32; with the model cast to bf16 instead
+    (no autocast at all) they are bf16 too, but so is everything held, 8 B a parameter."""
+    cfg = TrainConfig(**SMALL)
+    n = sum(p.numel() for p in build_model(cfg).parameters())
+    assert _autocast_step(build_model(cfg), True) == (torch.bfloat16, {torch.float32}, 16 * n)
+    assert _autocast_step(build_model(cfg), False)[0] == torch.float32
+    logits, dtypes, nbytes = _autocast_step(build_model(cfg).to(torch.bfloat16), False)
+    assert logits == torch.bfloat16 and dtypes == {torch.bfloat16} and nbytes == 8 * n
+
+
+def test_the_trainers_replicas_hold_one_hash_only_because_ddp_all_reduces():
+    """03: the trainer's "one parameter hash and one optimizer hash on every rank", and its match with the
+    hand-written DDP loop, fail once DDP's gradient all-reduce is replaced by a hook that sends nothing."""
+    from test_negative_controls_advanced import _ddp_without_the_all_reduce
+
+    cfg = TrainConfig(**{**SMALL, "steps": 4}, world_size=2)
+    kept = launch(train.run, cfg, world_size=2, output="none")
+    removed = launch(_ddp_without_the_all_reduce, cfg, world_size=2, output="none")
+    assert len({s["param_sha256"] for s in kept}) == len({s["optimizer_sha256"] for s in kept}) == 1
+    assert len({s["param_sha256"] for s in removed}) == len({s["optimizer_sha256"] for s in removed}) == 2
+    assert removed[0]["param_sha256"] != kept[0]["param_sha256"]
