@@ -575,8 +575,7 @@ REGISTRY: dict[str, dict[str, Entry]] = {
         "the launcher saw the exit; it did not wait for a timeout": control(
             NCA + "test_a_rank_that_hangs_instead_of_dying_keeps_its_peers_waiting"),
         'check["ok"]': control(NCA + "test_the_scaling_model_misses_a_ddp_step_whose_all_reduce_is_removed"),
-        "the node boundary costs: here the all-reduce is not small next to compute": control(
-            NCA + "test_without_a_slower_link_between_nodes_the_node_boundary_costs_nothing"),
+        "the node boundary costs: past one node the slower link takes its share": inline('0.9 * rows[3]["weak"]'),
         "the seed's curve needs stragglers: the links alone give a step at the node boundary, then a plateau": inline(
             '0.08 <= flat["max_error"]'),
         "16 B/param: seed 003's 12 plus the 4-byte fp32 master copy": sanity(
