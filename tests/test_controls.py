@@ -317,8 +317,8 @@ REGISTRY: dict[str, dict[str, Entry]] = {
     "08_launch": {
         "the kill must come after the first checkpoint and before the end": sanity("an input check on the parameters"),
         "the root cause is rank 1": control(NC + "test_the_killed_rank_is_named_only_because_knock_on_failures_are_set_aside"),
-        'report.root_cause.kind == "killed"': sanity(
-            "the cell ran what it says: the injected fault was a SIGKILL and the report says so"),
+        'report.root_cause.kind == "killed"': control(
+            NC + "test_a_killed_rank_is_reported_killed_by_sigkill_only_because_its_exit_signal_is_read"),
         "said once": sanity("the report's wording: the signal is named once"),
         "the other ranks are listed as knock-on or stopped, not as causes": control(
             NC + "test_the_killed_rank_is_named_only_because_knock_on_failures_are_set_aside"),
@@ -422,7 +422,8 @@ REGISTRY: dict[str, dict[str, Entry]] = {
         'moved["state_off_device"] == 4 * shard': sanity(
             "the bytes an offload would move, from the run's measured shard and collectives and the memory "
             "calculator (nothing moves on the CPU); the calculator against real ranks is notebook 10's check"),
-        'hsdp["placements"] == ["R", "S(0)"]': sanity("bookkeeping: the mesh's placements name the layout; what it does is the next two checks"),
+        'hsdp["placements"] == ["R", "S(0)"]': sanity(
+            "bookkeeping: the mesh's placements name the layout; what it does is the next two checks"),
         'hsdp["per_step"]["backward_all_reduce"] == hsdp["units"]': inline('alone["per_step"]["backward_all_reduce"] == 0'),
         "hsdp_gap < 1e-5 < alone_gap": inline("1e-5 < alone_gap"),
         'count("allgather", "all_gather") ==': sanity("two counters of one run agree: CommDebugMode's and FSDP2's own log"),
@@ -494,7 +495,8 @@ REGISTRY: dict[str, dict[str, Entry]] = {
             "a bound: the simulator fed this run's own action times, messages free, is a floor no real run can beat"),
         "the pipeline trains on the same samples, to the same losses": control(
             NCA + "test_the_pipeline_trainer_is_bitwise_ddp_only_with_its_stages_averaged_over_dp"),
-        "the same weights as DDP, bit for bit": control(NCA + "test_the_pipeline_trainer_is_bitwise_ddp_only_with_its_stages_averaged_over_dp"),
+        "the same weights as DDP, bit for bit": control(
+            NCA + "test_the_pipeline_trainer_is_bitwise_ddp_only_with_its_stages_averaged_over_dp"),
         "each rank holds about 1/pp of the state": inline("1.2 / stages"),
     },
     "14_fault_tolerance": {
@@ -502,7 +504,8 @@ REGISTRY: dict[str, dict[str, Entry]] = {
             "tests/test_preemption.py::test_without_a_checkpoint_dir_sigterm_stops_the_command_promptly_with_143"),
         'saved == [f"step-{notice_step + 1:08d}"]': control(
             "tests/test_preemption.py::test_a_decision_taken_per_rank_hangs_until_the_timeout_and_the_agreed_one_saves"),
-        "the resume is bitwise the uninterrupted run": control("tests/test_train.py::test_weights_only_resume_sees_the_same_data_but_departs"),
+        "the resume is bitwise the uninterrupted run": control(
+            "tests/test_train.py::test_weights_only_resume_sees_the_same_data_but_departs"),
         "the per-rank decision fails, bounded by the timeout (or the stall limit after it)": inline(
             '{r["emergency_checkpoint_step"] for r in agreed} == {2}'),
         "agreed: one step, one checkpoint": inline('alone != "finished"'),

@@ -1,11 +1,11 @@
 """Negative controls for the mechanisms lessons 01-08 assert: remove the mechanism, the same check fails.
 
 A check that also passes with its mechanism removed proves nothing. The notebooks carry many of their
-controls themselves, and ``tests/test_notebooks.py`` asserts both sides of each (no sampler vs a
-sampler, hash() vs sha256, ``no_sync`` with the forward outside, views off vs on, fp16 without a
-scaler, clipping before unscaling, without ``set_epoch``, padding kept, one seed on every rank, a
-weights-only resume, buffer sync off, ...). This file holds the controls that need the library itself
-changed: each test runs the real thing and the thing with one mechanism taken out, through one check.
+controls themselves (no sampler vs a sampler, hash() vs sha256, ``no_sync`` with the forward outside,
+views off vs on, fp16 without a scaler, clipping before unscaling, ...), and ``tests/test_controls.py``
+lists every notebook assert with the place its control is. This file holds the controls that need the
+library (or torch) changed: each test runs the real thing and the thing with one mechanism taken out,
+through the notebook's check, on real gloo ranks where the lesson uses ranks.
 """
 
 import contextlib
@@ -781,6 +781,34 @@ def test_the_killed_rank_is_named_only_because_knock_on_failures_are_set_aside(m
     with pytest.raises(LaunchError) as removed:
         launch(_rank_1_dies_after_its_peer_failed, world_size=2, timeout=10, output="none")
     assert removed.value.rank != 1 and not all(f.rank != 1 for f in removed.value.others), removed.value
+
+
+def _rank_1_killed(ctx):
+    import signal
+
+    import torch.distributed as dist
+
+    if ctx.rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)  # no Python error, no exit code of its own
+    dist.barrier()
+
+
+def test_a_killed_rank_is_reported_killed_by_sigkill_only_because_its_exit_signal_is_read(monkeypatch):
+    """08: the report says "killed", "SIGKILL": the launcher reads the signal from the exit status
+    (negative: -9); with that reading removed (the status taken as a plain exit code) it says neither."""
+    import pytest
+
+    from ddpkit import failures, monitor
+
+    with pytest.raises(failures.LaunchError) as kept:
+        launch(_rank_1_killed, world_size=2, timeout=10, output="none")
+    assert kept.value.root_cause.kind == "killed" and kept.value.root_cause.exc_type == "SIGKILL"
+    read = failures.exit_failure
+    monkeypatch.setattr(monitor, "exit_failure", lambda rank, code, when, tail="": read(rank, abs(code), when, tail))
+    with pytest.raises(failures.LaunchError) as removed:
+        launch(_rank_1_killed, world_size=2, timeout=10, output="none")
+    cause = removed.value.root_cause
+    assert not (cause.kind == "killed" and cause.exc_type == "SIGKILL"), cause
 
 
 def test_torchrun_without_restarts_ends_the_killed_run_in_failure(tmp_path):

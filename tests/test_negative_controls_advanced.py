@@ -1,5 +1,6 @@
-"""Negative controls for the mechanism checks of notebooks 09-16 that no other test covers: remove the
-mechanism, run the notebook's own check, and watch it fail."""
+"""Negative controls for the mechanism checks of notebooks 09-16: remove the mechanism, run the notebook's
+own check (most often the same library function), and watch it fail. ``tests/test_controls.py`` lists
+every notebook assert with the place its control is."""
 
 import torch
 
