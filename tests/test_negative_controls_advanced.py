@@ -1,5 +1,6 @@
-"""Negative controls for the mechanism checks of notebooks 09-16 that no other test covers: remove the
-mechanism, run the notebook's own check, and watch it fail."""
+"""Negative controls for the mechanism checks of notebooks 09-16: remove the mechanism, run the notebook's
+own check (most often the same library function), and watch it fail. ``tests/test_controls.py`` lists
+every notebook assert with the place its control is."""
 
 import torch
 
@@ -9,16 +10,27 @@ from ddpkit.parallel import comm, memory, tensor
 
 
 def _tp_without_f(ctx, cfg):
-    """Notebook 12's check with Megatron's f broken: its backward no longer all-reduces the input gradient."""
+    """Notebook 12's checks with Megatron's f broken: its backward no longer all-reduces the input gradient.
+    The split linear layers, the split GPT against the whole one (and its all-reduce counts), and our MLP
+    split against PyTorch's DTensor one."""
     tensor.CopyToTP.backward = staticmethod(lambda c, grad: (grad.clone(), None))
-    return tensor.check_against_unsplit(ctx, cfg)
+    return {"linear": tensor.split_linear_demo(ctx), "unsplit": tensor.check_against_unsplit(ctx, cfg),
+            "dtensor": tensor.check_against_dtensor(ctx, cfg)}
 
 
 def test_without_fs_all_reduce_the_split_gpt_no_longer_matches_the_whole_one():
+    """Notebooks 12, 15 and 16: the split layers and the split GPT compute the whole ones, with 2
+    all-reduces per block each way, and match DTensor's split; the planner's 4 per layer are those. With
+    f's backward all-reduce removed the forward is untouched, but the input gradients, the weights'
+    gradients, the backward count and the match with DTensor all fail."""
     gpt = TrainConfig(model="gpt", steps=1)
     broken = launch(_tp_without_f, gpt, world_size=2, output="none")
-    assert max(c["grad_diff"] for c in broken) > 1e-6  # the notebook's `grad_diff <= 1e-6` fails
-    assert max(c["output_diff"] for c in broken) <= 1e-6  # forward is untouched: only backward needed f
+    assert max(c["unsplit"]["grad_diff"] for c in broken) > 1e-6  # the notebook's `grad_diff <= 1e-6` fails
+    assert max(c["unsplit"]["output_diff"] for c in broken) <= 1e-6  # forward is untouched: only backward needed f
+    counts = broken[0]["unsplit"]
+    assert counts["forward_all_reduces"] == 2 * gpt.n_layers and counts["backward_all_reduces"] == 0
+    assert max(c["linear"]["column"]["input_grad_diff"] for c in broken) > 1e-6  # a column split's dx needs f
+    assert max(c["dtensor"]["grad_diff"] for c in broken) > 1e-6
 
 
 def _ring_wrong_direction(ctx, sizes):
@@ -149,7 +161,7 @@ def test_a_per_rank_data_position_does_not_continue_the_stream_on_another_world_
                          output="none")[0]
         results[name] = verdicts.same_training(reference, resumed, 1e-4)
     assert results["global"]["ok"]
-    assert not results["per rank"]["same_data"] and not results["per rank"]["ok"], results
+    assert not results["per rank"]["same_data"] and results["per rank"]["max_loss_gap"] > 1e-4, results  # both halves fail
 
 
 def _tp_sampler_over_the_world(ctx, cfg):
@@ -238,6 +250,7 @@ def test_the_pipeline_trainer_is_bitwise_ddp_only_with_its_stages_averaged_over_
                                     bitwise=True)
     assert kept["ok"]
     assert broken["same_data"] and not broken["same_weights"] and not broken["ok"], broken
+    assert broken["max_loss_gap"] > 1e-4, broken  # "the same samples, to the same losses" fails on its losses
 
 
 def test_a_torn_checkpoint_is_chosen_once_the_hash_check_is_off(tmp_path, monkeypatch):
@@ -423,3 +436,125 @@ def test_the_capstones_replica_check_catches_a_flipped_sign_only_by_hash():
     assert capstone.replicas_agree(launch(capstone.train_capstone, cfg, world_size=2, output="none")) == {"norms": True, "hashes": True}
     flipped = launch(_capstone_with_a_sign_flipped_on_rank_1, cfg, world_size=2, output="none")
     assert capstone.replicas_agree(flipped) == {"norms": True, "hashes": False}
+
+
+# ------------------------------------------------------------------ 09: collectives
+
+def _collectives_without_their_exchange(ctx, n):
+    """Notebook 09's ``comm.show_collectives`` with every collective's exchange taken out: each rank
+    keeps what it holds (its own slice, for the reduce-scatter and the all-gather)."""
+    import types
+
+    import torch.distributed as dist
+
+    from ddpkit.parallel import comm
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    comm.dist = types.SimpleNamespace(all_reduce=lambda t, *a, **k: None, broadcast=lambda t, *a, **k: None)
+    comm.reduce_scatter_tensor = lambda out, inp, group=None: out.copy_(inp.chunk(world)[rank])
+    comm.all_gather_into_tensor = lambda out, inp, group=None: (out.zero_(), out.chunk(world)[rank].copy_(inp))
+    return comm.show_collectives(ctx, n)
+
+
+def _what_each_collective_promises(shown) -> dict:
+    """Notebook 09's four checks on what every rank holds after each collective."""
+    import numpy as np
+
+    before = np.array([s["before"] for s in shown])
+    return {"all_reduce": all(s["all_reduce"] == before.sum(0).tolist() for s in shown),
+            "broadcast": all(s["broadcast"] == shown[0]["before"] for s in shown),
+            "reduce_scatter": sum((s["reduce_scatter"] for s in shown), []) == before.sum(0).tolist(),
+            "all_gather": all(s["all_gather"] == sum((b[:2] for b in before.tolist()), []) for s in shown)}
+
+
+def test_without_their_exchange_the_collectives_leave_every_rank_its_own_tensor():
+    """Notebook 09's "all-reduce: everyone has the sum", "broadcast: everyone has rank 0's", "reduce-scatter:
+    the sum, sliced" and "all-gather: every slice", on 3 ranks: they hold for gloo's collectives and fail,
+    each of them, once the exchange is taken out."""
+    kept = _what_each_collective_promises(launch(comm.show_collectives, 6, world_size=3, output="none"))
+    removed = _what_each_collective_promises(launch(_collectives_without_their_exchange, 6, world_size=3, output="none"))
+    assert all(kept.values()) and not any(removed.values()), (kept, removed)
+
+
+def _ring_without_chunks(ctx, sizes):
+    """Notebook 09's ring check with the ring's chunking removed: every hop passes the whole buffer."""
+    comm.chunk_bounds = lambda numel, world: [(0, numel)] * world
+    return comm.check_ring(ctx, sizes)
+
+
+def test_a_ring_that_passes_the_whole_buffer_sends_n_times_the_ring_formula():
+    """Notebook 09's "2(N-1)/N x M per rank" (bytes sent within 1% of the formula): the ring cuts the
+    buffer into N chunks and sends one per hop; passing the whole buffer each hop sends N times as much."""
+    n, world = 100_003, 3
+    for fn, ratio in ((comm.check_ring, 1.0), (_ring_without_chunks, world)):
+        sent = max(r[0]["bytes_sent"] for r in launch(fn, [n], world_size=world, output="none"))
+        assert abs(sent / comm.ring_bytes_per_rank(4 * n, world) - ratio) < 0.01, (fn.__name__, sent)
+
+
+# ------------------------------------------------------------------ 10, 15, 16: ZeRO-1's sharded state
+
+def _zero1_unsharded(ctx, cfg):
+    """ZeRO-1 with its partition removed: every rank keeps the whole fp32 master copy and both moments."""
+    from ddpkit import train
+    from ddpkit.parallel import zero
+
+    original = zero.ZeroAdamW.__init__
+
+    def whole(self, params, *args, **kwargs):
+        original(self, params, *args, **kwargs)
+        self.shard_numel, self.lo, self.hi = self.numel, 0, self.numel
+        self.master = self._flat_params().clone()
+        self.inner = torch.optim.AdamW([self.master], **{k: self.inner.defaults[k] for k in ("lr", "betas", "eps", "weight_decay")})
+
+    zero.ZeroAdamW.__init__ = whole
+    return train.run(ctx, cfg)
+
+
+def test_zero1_holds_12_bytes_x_ceil_p_over_n_only_because_it_shards_its_state():
+    """Notebooks 10's "12 bytes x ceil(P/N)", 15's "12P/N bytes per rank" and 16's ZeRO-1 bytes, measured on
+    each rank of a real run: with the partition removed every rank holds 12 P, and the check fails."""
+    import math
+
+    from ddpkit import train
+    from ddpkit.models import build_model, count_parameters
+
+    cfg = TrainConfig(**SMALL_MLP, steps=2, world_size=2, strategy="zero1")
+    params = count_parameters(build_model(cfg))
+    kept = launch(train.run, cfg, world_size=2, output="none")
+    removed = launch(_zero1_unsharded, cfg, world_size=2, output="none")
+    assert all(s["state_bytes_per_rank"]["optimizer"] == 12 * math.ceil(params / 2) for s in kept)
+    assert all(s["state_bytes_per_rank"]["optimizer"] == 12 * params for s in removed)
+
+
+# ------------------------------------------------------------------ 15: the capstone's replicas
+
+def _capstone_without_the_all_reduce(ctx, cfg):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from ddpkit import capstone
+    from ddpkit.metrics import CommTimer
+    from ddpkit.parallel.ddp import DDPStrategy
+
+    def local_only(self, model):
+        def hook(state, bucket):
+            done = torch.futures.Future()
+            done.set_result(bucket.buffer())
+            return done
+
+        if isinstance(model, DDP):
+            model.register_comm_hook(None, hook)
+        return CommTimer(None)
+
+    DDPStrategy.comm_timer = local_only
+    return capstone.train_capstone(ctx, cfg)
+
+
+def test_the_capstones_replicas_agree_only_because_ddp_all_reduces():
+    """Notebook 15's "every rank holds the same parameter norm at every step" (``capstone.replicas_agree``):
+    with DDP's gradient all-reduce replaced by a hook that sends nothing, norms and hashes both part."""
+    from ddpkit import capstone
+
+    cfg = capstone.capstone_config(2, 3, dataset_size=256, checkpoint_format="full")
+    removed = launch(_capstone_without_the_all_reduce, cfg, world_size=2, output="none")
+    assert capstone.replicas_agree(removed) == {"norms": False, "hashes": False}
+
