@@ -18,7 +18,9 @@ seconds in ``text`` mode, so no cell looks dead.
 
 from __future__ import annotations
 
+import html
 import json
+import math
 import os
 import sys
 import time
@@ -43,9 +45,10 @@ class Reporter:
     def from_env(cls, is_main: bool) -> Reporter:
         return cls(os.environ.get(ENV_FILE) if is_main else None)
 
-    def step(self, step: int, total: int, loss: float) -> None:
+    def step(self, step: int, total: int, loss: float, run: str = "") -> None:
+        """One step's line; ``run`` names the run (several trainers in one cell are told apart by it)."""
         if self.handle is not None:
-            self.handle.write(json.dumps({"step": step, "total": total, "loss": loss, "t": time.time()}) + "\n")
+            self.handle.write(json.dumps({"step": step, "total": total, "loss": loss, "t": time.time(), "run": run}) + "\n")
 
     def close(self) -> None:
         if self.handle is not None:
@@ -87,7 +90,7 @@ class Display:
         self.last_draw = self.last_poll = 0.0
         self.steps: list[int] = []
         self.losses: list[float] = []
-        self.total = 0
+        self.total, self.run = 0, ""
         self.handle = None
         self.partial = ""
         self.widgets: Any = None
@@ -147,7 +150,7 @@ class Display:
                     self.steps, self.losses = [], []  # the plot follows the run now training
                 self.steps.append(event["step"])
                 self.losses.append(event["loss"])
-                self.total = event["total"]
+                self.total, self.run = event["total"], event.get("run", "")
         return bool(lines)
 
     # ------------------------------------------------------------------ showing
@@ -155,7 +158,7 @@ class Display:
     def _text_line(self) -> str:
         elapsed = time.monotonic() - self.started
         return (f"[ddpkit] step {self.steps[-1]}/{self.total}  loss {self.losses[-1]:.4f}  "
-                f"(first {self.losses[0]:.4f})  {elapsed:.1f} s")
+                f"(first {self.losses[0]:.4f})  {elapsed:.1f} s{f'  [{self.run}]' if self.run else ''}")
 
     def _draw_widget(self, final: bool) -> None:
         import ipywidgets as w
@@ -171,15 +174,19 @@ class Display:
         bar.max, bar.value = max(1, self.total), self.steps[-1]
         if final:
             bar.bar_style = "success" if self.steps[-1] >= self.total else "warning"
-        label.value = (f"&nbsp;step {self.steps[-1]}/{self.total} · loss {self.losses[-1]:.4f} · "
+        label.value = (f"&nbsp;{html.escape(self.run) + ' · ' if self.run else ''}step {self.steps[-1]}/{self.total} · "
+                       f"loss {self.losses[-1]:.4f} · "
                        f"{time.monotonic() - self.started:.1f} s")
         plot.value = loss_svg(self.steps, self.losses, self.total)
 
 
 def loss_svg(steps: list[int], losses: list[float], total: int, width: int = 420, height: int = 150) -> str:
-    """A small line plot of loss against step, as inline SVG: a title, labelled axes, the value range."""
+    """A small line plot of loss against step, as inline SVG: a title, labelled axes, the value range.
+    A non-finite loss (a NaN or inf step, as notebook 14 provokes) breaks the line there and is named in
+    red under the title: an SVG point that is not a number would make the browser drop the whole line."""
     left, right, top, bottom = 48, 10, 22, 30
-    lo, hi = min(losses), max(losses)
+    finite = [v for v in losses if math.isfinite(v)] or [0.0]
+    lo, hi = min(finite), max(finite)
     span = (hi - lo) or max(abs(hi), 1e-12) * 0.1
     first = min(steps[0], 1)
     x_span = max(total, steps[-1]) - first or 1
@@ -189,7 +196,17 @@ def loss_svg(steps: list[int], losses: list[float], total: int, width: int = 420
         y = top + (hi - loss) / span * (height - top - bottom)
         return f"{x:.1f},{y:.1f}"
 
-    points = " ".join(xy(s, v) for s, v in zip(steps, losses))
+    runs, bad = [[]], []
+    for step, loss in zip(steps, losses):
+        if math.isfinite(loss):
+            runs[-1].append(xy(step, loss))
+        else:
+            bad.append(step)
+            runs.append([])
+    lines = "".join(f'<polyline fill="none" stroke="#1f77b4" stroke-width="2" points="{" ".join(run)}"/>'
+                    for run in runs if run)
+    note = (f'<text x="{width - right}" y="{top + 10}" text-anchor="end" fill="#d62728">non-finite loss at step '
+            f'{bad[0]}{f" and {len(bad) - 1} more" if len(bad) > 1 else ""}</text>' if bad else "")
     axis = 'stroke="#888" stroke-width="1"'
     return (f'<svg width="{width}" height="{height}" style="font: 11px sans-serif">'
             f'<text x="{width / 2}" y="13" text-anchor="middle">rank 0: global loss per step (live)</text>'
@@ -202,7 +219,7 @@ def loss_svg(steps: list[int], losses: list[float], total: int, width: int = 420
             f'<text x="{(left + width) / 2}" y="{height - 2}" text-anchor="middle">optimizer step</text>'
             f'<text x="12" y="{(top + height - bottom) / 2}" text-anchor="middle" '
             f'transform="rotate(-90 12 {(top + height - bottom) / 2})">loss</text>'
-            f'<polyline fill="none" stroke="#1f77b4" stroke-width="2" points="{points}"/></svg>')
+            f'{note}{lines}</svg>')
 
 
 class heartbeat:  # noqa: N801 - used as a context manager, like contextlib's

@@ -27,6 +27,7 @@ decisions taken at a step boundary live in the modules that own them; this file 
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 
@@ -213,7 +214,7 @@ class Trainer:
                           step_time_s=result.step_time_s, samples_per_s=global_batch / result.step_time_s,
                           comm_calls=result.comm_calls, comm_bytes=result.comm_bytes,
                           checkpoint_s=result.checkpoint_s, **result.phases)
-        self.progress.step(result.step, cfg.steps, result.loss)
+        self.progress.step(result.step, cfg.steps, result.loss, self.run_name)
         return result
 
     def judge(self, loss_sum: float, grad_norm: float) -> bool:
@@ -243,6 +244,27 @@ class Trainer:
                   f"digest {cfg.digest()[:12]}", flush=True)
         self.strategy.prepare(self.model, micro_step(self.model, self.scaler, cfg, ctx.device, 1,
                                                      PhaseTimer(ctx.device), [], []), example_batch(cfg))
+
+    @functools.cached_property
+    def run_name(self) -> str:
+        """How the live progress names this run, so that the runs one cell trains are told apart: model,
+        strategy and layout, precision, a provoked fault, the save cadence, a resume (built once)."""
+        cfg, parts = self.cfg, [self.cfg.model, self.cfg.strategy]
+        parts += [f"{k} {getattr(cfg, k)}" for k in ("tp", "pp", "cp", "ep") if getattr(cfg, k) > 1]
+        parts.append(f"{self.ctx.world_size} ranks")
+        if cfg.amp != "off":
+            parts.append(cfg.amp)
+        if cfg.fail_at_step is not None:
+            parts.append(f"{cfg.fail_mode} at step {cfg.fail_at_step}")
+        if cfg.nan_guard:
+            parts.append("guarded")
+        if cfg.checkpoint_dir and cfg.checkpoint_every_s:
+            parts.append(f"saves every {cfg.checkpoint_every_s:g} s")
+        elif cfg.checkpoint_dir and cfg.checkpoint_every:
+            parts.append(f"saves every {cfg.checkpoint_every} steps")
+        if self.resumed_from:
+            parts.append(f"resumed at step {self.resumed_from}")
+        return ", ".join(parts)
 
     def fit(self) -> dict:
         """Train to ``cfg.steps``; returns the run summary (every rank computes it, rank 0 writes it)."""

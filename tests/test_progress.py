@@ -17,6 +17,16 @@ def test_the_trainer_reports_every_step_and_text_mode_shows_them(capsys, monkeyp
     assert lines and lines[-1].startswith("[ddpkit] step 6/6"), lines
     steps = [int(ln.split()[2].split("/")[0]) for ln in lines]
     assert steps == sorted(steps), "in step order"
+    assert lines[-1].endswith("[mlp, ddp, 2 ranks]"), "each line names its run, so a cell's runs are told apart"
+
+
+def test_the_runs_of_one_cell_are_named_apart(capsys, monkeypatch, tmp_path):
+    """Two runs of notebook 14's cadence comparison differ only in their save rule: the names say which."""
+    monkeypatch.setattr(progress, "TEXT_EVERY_S", 0.0)
+    for name, rule in (("steps", {"checkpoint_every": 3}), ("seconds", {"checkpoint_every": 0, "checkpoint_every_s": 0.5})):
+        ddpkit.launch(train.run, TrainConfig(steps=4, checkpoint_dir=str(tmp_path / name), **rule), output="none", progress="text")
+    names = {ln.rsplit("[", 1)[1] for ln in capsys.readouterr().out.splitlines() if ln.startswith("[ddpkit] step")}
+    assert names == {"mlp, ddp, 2 ranks, saves every 3 steps]", "mlp, ddp, 2 ranks, saves every 0.5 s]"}, names
 
 
 def test_text_mode_stays_quiet_while_the_ranks_speak(capsys):
@@ -66,6 +76,16 @@ def test_the_loss_plot_draws_every_point_between_labelled_axes():
     assert len(points) == 4 and "optimizer step" in svg and ">loss<" in svg and ">2<" in svg and ">10<" in svg
     ys = [float(p.split(",")[1]) for p in points]
     assert ys == sorted(ys), "a falling loss is drawn going down (SVG y grows downwards)"
+
+
+def test_a_non_finite_loss_breaks_the_line_and_is_named_instead_of_blanking_the_plot():
+    """A NaN inside an SVG points list makes the browser drop the whole line (seen in notebook 14's NaN
+    runs); the plot draws the finite parts, scaled to them, and names the first bad step."""
+    svg = progress.loss_svg([1, 2, 3, 4, 5], [2.0, 1.5, float("nan"), float("inf"), 1.0], total=5)
+    lines = [part.split('"')[0] for part in svg.split('points="')[1:]]
+    assert [len(line.split()) for line in lines] == [2, 1] and "nan" not in " ".join(lines) and "inf" not in " ".join(lines)
+    assert "non-finite loss at step 3 and 1 more" in svg and ">2<" in svg  # the range is the finite values'
+    assert "non-finite" not in progress.loss_svg([1, 2], [2.0, 1.0], total=2)  # the control: nothing to name
 
 
 def test_a_new_run_in_the_same_launch_starts_a_new_plot(tmp_path):
