@@ -138,6 +138,9 @@ def cadence_cost(metrics_dir: str) -> dict[str, float]:
             "save_s": sum(e["seconds"] for e in saves), "run_s": end - start}
 
 
+_SOURCE_LOCATION = re.compile(r"\[[^\]]*:\d+\] ")  # gloo's "[.../tcp/pair.cc:534] ": the words are what matter
+
+
 def peers_after_a_death(cfg, fail_mode: str = "kill", timeout_s: float = 60.0, fail_at_step: int = 3) -> dict:
     """Train ``cfg`` on real ranks with its last rank failing after ``fail_at_step`` steps, under a
     collective timeout of ``timeout_s``, and time how long the job takes to end. ``kill``: the process dies
@@ -157,7 +160,7 @@ def peers_after_a_death(cfg, fail_mode: str = "kill", timeout_s: float = 60.0, f
         launch(train.run, cfg.replace(fail_mode=fail_mode, fail_at_step=fail_at_step, fail_rank=cfg.world_size - 1,
                                       timeout=timeout_s), world_size=cfg.world_size, output="none")
     except LaunchError as exc:
-        peers = [f"rank {o.rank}: {o.message.splitlines()[0][:120]}" for o in exc.others]
+        peers = [f"rank {o.rank}: {_SOURCE_LOCATION.sub('', o.message.splitlines()[0])[:160]}" for o in exc.others]
     ended = time.monotonic() - started
     return {"ended_after_s": ended, "timeout_s": timeout_s, "peers": peers, "fast": bool(peers) and ended < timeout_s / 2}
 
