@@ -4,7 +4,8 @@
   causal attention written out over the whole sequence, and through ``F.scaled_dot_product_attention``;
 * :func:`measure_memory`: bytes kept for backward per rank, against the sequence length;
 * :func:`measure_overlap`: time blocked on the ring with the next hop posted before computing, or after;
-* :func:`measure_balance`: blocks and compute time per rank, zig-zag against contiguous;
+* :func:`measure_balance`: blocks, FLOPs and compute time per rank, zig-zag against contiguous;
+* :func:`block_flops`: the FLOPs one block of ring attention's forward costs;
 * :func:`check_gpt_against_unsplit`: the whole GPT, context parallel, against the unsplit one;
 * :func:`try_torch_context_parallel`: PyTorch's own ``context_parallel``, where it runs.
 """
@@ -159,26 +160,45 @@ def measure_overlap(ctx, batch: int = 4, heads: int = 4, seq_len: int = 1024, he
     return {**medians, "pairs": pairs}
 
 
-def measure_balance(ctx, batch: int = 2, heads: int = 4, seq_len: int = 1024, head_dim: int = 32,
+def measure_balance(ctx, batch: int = 2, heads: int = 4, seq_len: int = 1024, head_dim: int = 128,
                     repeats: int = 4) -> dict:
-    """Per layout, on this rank: blocks computed, the least CPU seconds one forward spent computing them,
-    and the fastest forward's wall-clock seconds (about the same on every rank: each ring step waits for
-    the slowest). The layouts alternate, so that a rank slowed by a busy machine is slowed for both."""
+    """Per layout, on this rank: blocks computed, the matrix-multiply FLOPs one forward ran (counted by
+    ``torch.utils.flop_counter.FlopCounterMode`` as the ops are dispatched: exact, whatever the machine's
+    load), the least CPU seconds one forward spent computing its blocks, and the fastest forward's
+    wall-clock seconds (about the same on every rank: each ring step waits for the slowest). The first
+    pass of each layout is the warm-up (allocations, caches) and the one counted; the layouts then
+    alternate, so that a rank slowed by a busy machine is slowed for both."""
+    from torch.utils.flop_counter import FlopCounterMode
+
     group, n, r = dist.group.WORLD, ctx.world_size, ctx.rank
     shards = {layout: [shard_sequence(t, r, n, dim=2, layout=layout) for t in _qkv(batch, heads, seq_len, head_dim)[:3]]
               for layout in LAYOUTS}
     runs: dict[str, list] = {layout: [] for layout in LAYOUTS}
-    for attempt in range(repeats + 1):  # the first is a warm-up (allocations, caches)
+    flops: dict[str, int] = {}
+    for attempt in range(repeats + 1):
         for layout in LAYOUTS:
             stats = (RingStats(), RingStats())
             dist.barrier(group=group)
             start = time.perf_counter()
             with torch.no_grad():
-                ring_attention(*shards[layout], group, layout, stats=stats)
+                if attempt == 0:  # counting slows the ops down: this pass is not timed
+                    with FlopCounterMode(display=False) as counter:
+                        ring_attention(*shards[layout], group, layout, stats=stats)
+                    flops[layout] = counter.get_total_flops()
+                else:
+                    ring_attention(*shards[layout], group, layout, stats=stats)
             if attempt:
                 runs[layout].append((stats[0].compute_cpu_s, time.perf_counter() - start, stats[0].blocks))
-    return {layout: {"blocks": rows[0][2], "compute_cpu_s": min(c for c, _, _ in rows),
+    return {layout: {"blocks": rows[0][2], "flops": flops[layout], "compute_cpu_s": min(c for c, _, _ in rows),
                      "total_s": min(t for _, t, _ in rows)} for layout, rows in runs.items()}
+
+
+def block_flops(batch: int, heads: int, seq_len: int, head_dim: int, world: int) -> int:
+    """Matrix-multiply FLOPs of one forward block (a chunk of c = seq_len / 2N queries over one chunk of
+    keys): scores q k^T and output p v, each 2 B H c c D. A diagonal block is computed whole and then
+    masked, so it costs as much as any other."""
+    c = seq_len // (2 * world)
+    return 2 * (2 * batch * heads * c * c * head_dim)
 
 
 def check_gpt_against_unsplit(ctx, cfg, batch: int = 4, layout: str = "zigzag") -> dict:
