@@ -312,14 +312,15 @@ def test_a_changed_global_batch_is_not_the_same_training():
     assert not verdicts.same_training(two, run_one(1), 1e-5)["ok"]
 
 
-def _ddp_without_the_all_reduce(ctx, cfg):
+def _remove_ddps_all_reduce():
+    """In this rank, DDP's gradient all-reduce is replaced by a comm hook that sends nothing: every replica
+    keeps its own gradient."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from ddpkit import train
     from ddpkit.metrics import CommTimer
     from ddpkit.parallel.ddp import DDPStrategy
 
-    def local_only(self, model):  # every replica keeps its own gradient: no all-reduce
+    def local_only(self, model):
         def hook(state, bucket):
             done = torch.futures.Future()
             done.set_result(bucket.buffer())
@@ -330,6 +331,12 @@ def _ddp_without_the_all_reduce(ctx, cfg):
         return CommTimer(None)
 
     DDPStrategy.comm_timer = local_only
+
+
+def _ddp_without_the_all_reduce(ctx, cfg):
+    from ddpkit import train
+
+    _remove_ddps_all_reduce()
     return train.run(ctx, cfg)
 
 
@@ -529,23 +536,9 @@ def test_zero1_holds_12_bytes_x_ceil_p_over_n_only_because_it_shards_its_state()
 # ------------------------------------------------------------------ 15: the capstone's replicas
 
 def _capstone_without_the_all_reduce(ctx, cfg):
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
     from ddpkit import capstone
-    from ddpkit.metrics import CommTimer
-    from ddpkit.parallel.ddp import DDPStrategy
 
-    def local_only(self, model):
-        def hook(state, bucket):
-            done = torch.futures.Future()
-            done.set_result(bucket.buffer())
-            return done
-
-        if isinstance(model, DDP):
-            model.register_comm_hook(None, hook)
-        return CommTimer(None)
-
-    DDPStrategy.comm_timer = local_only
+    _remove_ddps_all_reduce()
     return capstone.train_capstone(ctx, cfg)
 
 
