@@ -256,3 +256,21 @@ def test_torchruns_agent_logs_the_failed_worker_it_noticed():
     prefixed = line.replace(" torch/", " .venv/lib/python3.11/site-packages/torch/")
     assert abs(recovery.agent_detection_time(prefixed, fault) - (fault + 0.0825)) < 1e-6
     assert recovery.agent_detection_time(prefixed.replace("elastic", "elastik"), fault) is None
+
+
+def test_each_notebooks_stated_run_time_is_its_soaks():
+    """Each notebook's "the cells run in about N s" is the longest run of its soak (benchmarks/notebook_soak.py,
+    beside busy processes), rounded up to 5 s: neither a hope nor a stale number."""
+    import json
+    import math
+
+    soak = json.loads((REPO / "benchmarks" / "results" / "notebook_soak.json").read_text())["summary"]
+    stated = {}
+    for path in sorted((REPO / "notebooks").glob("*.ipynb")):
+        intro = "".join(json.loads(path.read_text())["cells"][0]["source"])
+        found = re.search(r"the cells run in about (\d+) s on 2 CPU cores kept busy by other work", intro)
+        if found:
+            stated[path.stem] = int(found.group(1))
+    assert len(stated) >= 20, sorted(stated)  # 22 says "under a minute" in words of its own
+    for name, seconds in stated.items():
+        assert seconds == 5 * math.ceil(soak[name]["max_wall_s"] / 5), (name, seconds, soak[name]["max_wall_s"])
