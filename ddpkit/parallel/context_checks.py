@@ -164,7 +164,7 @@ def measure_balance(ctx, batch: int = 2, heads: int = 4, seq_len: int = 1024, he
                     repeats: int = 4) -> dict:
     """Per layout, on this rank: blocks computed, the matrix-multiply FLOPs one forward ran (counted by
     ``torch.utils.flop_counter.FlopCounterMode`` as the ops are dispatched: exact, whatever the machine's
-    load), the least CPU seconds one forward spent computing its blocks, and the fastest forward's
+    load), what :func:`block_flops` says one block costs at these sizes, the least CPU seconds one forward spent computing its blocks, and the fastest forward's
     wall-clock seconds (about the same on every rank: each ring step waits for the slowest). The first
     pass of each layout is the warm-up (allocations, caches) and the one counted; the layouts then
     alternate, so that a rank slowed by a busy machine is slowed for both."""
@@ -189,8 +189,10 @@ def measure_balance(ctx, batch: int = 2, heads: int = 4, seq_len: int = 1024, he
                     ring_attention(*shards[layout], group, layout, stats=stats)
             if attempt:
                 runs[layout].append((stats[0].compute_cpu_s, time.perf_counter() - start, stats[0].blocks))
-    return {layout: {"blocks": rows[0][2], "flops": flops[layout], "compute_cpu_s": min(c for c, _, _ in rows),
-                     "total_s": min(t for _, t, _ in rows)} for layout, rows in runs.items()}
+    per_block = block_flops(batch, heads, seq_len, head_dim, n)  # the formula, beside the count it should explain
+    return {layout: {"blocks": rows[0][2], "flops": flops[layout], "block_flops": per_block,
+                     "compute_cpu_s": min(c for c, _, _ in rows), "total_s": min(t for _, t, _ in rows)}
+            for layout, rows in runs.items()}
 
 
 def block_flops(batch: int, heads: int, seq_len: int, head_dim: int, world: int) -> int:
